@@ -1,0 +1,78 @@
+"""Build small tokenizers and Qwen models on disk, with no download.
+
+Tests and the demo must run offline, yet they should exercise the same
+``from_pretrained`` path a hub id takes. These helpers write ordinary
+Hugging Face folders that ``AutoTokenizer`` / ``AutoModelForCausalLM`` load.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
+
+END_OF_TEXT = "<|endoftext|>"
+
+
+def build_tokenizer(
+    texts: Iterable[str],
+    out_dir: str | Path,
+    vocab_size: int = 1024,
+    pad_token: str | None = END_OF_TEXT,
+) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer like Qwen's (leading spaces live inside tokens).
+
+    Byte-level means any text round-trips, so `" " + target` decodes back exactly,
+    which the BABILong label tests rely on. ``pad_token=None`` gives a tokenizer
+    without a pad token, the case where callers must fall back to EOS.
+    """
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[END_OF_TEXT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token=END_OF_TEXT, pad_token=pad_token, model_max_length=1 << 30
+    )
+    wrapped.save_pretrained(str(out_dir))
+    return wrapped
+
+
+def build_qwen(
+    out_dir: str | Path,
+    vocab_size: int,
+    family: str = "qwen3",
+    hidden_size: int = 64,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    intermediate_size: int | None = None,
+    seed: int = 0,
+    **config_overrides,
+):
+    """Save a randomly initialised Qwen2 or Qwen3 causal LM to ``out_dir`` and return it."""
+    config_class = {"qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
+    config = config_class(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=hidden_size // num_attention_heads,
+        max_position_embeddings=1 << 20,
+        tie_word_embeddings=True,
+        **config_overrides,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(str(out_dir))
+    return model
