@@ -1,0 +1,309 @@
+"""NeuralMemory against a literal per-token restatement of its definition (module docstring), plus the stream
+properties the model relies on: pieces == one pass, causality, test-time learning, long-stream stability."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from titans_hf.modeling.memory import MemoryState, NeuralMemory
+
+
+def randomise(mem: NeuralMemory, seed: int) -> NeuralMemory:
+    """Move every parameter off its structured init (identity conv, unit norm) so no term hides behind a zero."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in mem.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return mem
+
+
+def reference(mem: NeuralMemory, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain loops over rows, heads, chunks and tokens; autograd (create_graph) for each token's inner gradient."""
+    B, T, _ = hidden.shape
+    H, d, C, K = mem.num_heads, mem.head_dim, mem.chunk_size, mem.conv_kernel
+    chunks_per_batch = mem.batch_size // C
+    real = torch.ones(B, T, dtype=hidden.dtype) if mask is None else mask.to(hidden.dtype)
+    x = hidden / torch.sqrt(hidden.pow(2).mean(-1, keepdim=True) + mem.norm.eps) * mem.norm.weight
+    u = (x @ mem.to_qkv.weight.T) * real[..., None]
+    conv = torch.stack(
+        [sum(mem.conv_weight[:, i] * u[:, t - K + 1 + i] for i in range(K) if t - K + 1 + i >= 0) for t in range(T)], 1
+    )
+    q, k, v = (part.reshape(B, T, H, d) for part in conv.split(H * d, dim=-1))
+    l2 = lambda z: z / z.norm(dim=-1, keepdim=True).clamp(min=1e-12)  # noqa: E731
+    q, k = l2(F.silu(q)), l2(F.silu(k))
+    logits = x @ mem.to_gates.weight.T + mem.to_gates.bias
+    theta = mem.max_lr * torch.sigmoid(logits[..., :H]) * real[..., None]
+
+    def memory_mlp(weights, z):
+        a = z
+        for w in weights[:-1]:
+            a = F.silu(a @ w)
+        return z + a @ weights[-1]
+
+    reads = [[[None] * H for _ in range(T)] for _ in range(B)]
+    for b in range(B):
+        for h in range(H):
+            weights = [p[h] for p in mem.initial_weights]
+            momentum = [torch.zeros_like(w) for w in weights]
+            grad_point = weights
+            for j in range(math.ceil(T / C)):
+                tokens = range(j * C, min(j * C + C, T))
+                for t in tokens:
+                    reads[b][t][h] = memory_mlp(weights, q[b, t, h])
+                if len(tokens) < C:
+                    break
+                surprise = [torch.zeros_like(w) for w in weights]
+                for t in tokens:
+                    loss = theta[b, t, h] * (memory_mlp(grad_point, k[b, t, h]) - v[b, t, h]).pow(2).sum()
+                    grads = torch.autograd.grad(loss, grad_point, create_graph=True)
+                    surprise = [s + g for s, g in zip(surprise, grads)]
+                count = real[b, tokens].sum()
+                if count > 0:
+                    if mem.max_surprise_norm is not None:
+                        norm = torch.sqrt(sum(s.pow(2).sum() for s in surprise))
+                        surprise = [s * mem.max_surprise_norm / norm.clamp(min=mem.max_surprise_norm) for s in surprise]
+                    eta = torch.sigmoid((logits[b, tokens, H + h] * real[b, tokens]).sum() / count)
+                    alpha = torch.sigmoid((logits[b, tokens, 2 * H + h] * real[b, tokens]).sum() / count)
+                    momentum = [eta * s - g for s, g in zip(momentum, surprise)]
+                    weights = [(1 - alpha) * w + s for w, s in zip(weights, momentum)]
+                if (j + 1) % chunks_per_batch == 0:
+                    grad_point = weights
+    return torch.stack([torch.stack([torch.stack(row, 0) for row in rows], 0) for rows in reads], 0).reshape(B, T, H * d)
+
+
+def param_grads(mem, reads, probe):
+    return torch.autograd.grad((reads * probe).sum(), list(mem.parameters()))
+
+
+@pytest.mark.parametrize(
+    "depth,chunk,batch,kernel,clip",
+    [(1, 4, 4, 3, None), (2, 4, 4, 3, 0.05), (2, 4, 8, 2, 0.05), (2, 3, 9, 4, None), (1, 5, 10, 1, 0.02)],
+)
+def test_matches_per_token_reference_reads_and_outer_gradients(depth, chunk, batch, kernel, clip):
+    torch.manual_seed(0)
+    mem = NeuralMemory(12, 2, 4, depth=depth, expansion=2, conv_kernel=kernel, chunk_size=chunk, batch_size=batch,
+                       max_lr=0.5 if clip else 0.05, max_surprise_norm=clip, theta_bias_init=0.0).double()
+    randomise(mem, 1)
+    hidden = torch.randn(2, 22, 12, dtype=torch.double)
+    probe = torch.randn(2, 22, 8, dtype=torch.double)
+    reads, _ = mem(hidden)
+    expected = reference(mem, hidden)
+    assert expected.abs().max() < 100  # a stable regime, so absolute tolerances mean something
+    torch.testing.assert_close(reads, expected, rtol=0, atol=1e-10)
+    for got, want in zip(param_grads(mem, reads, probe), param_grads(mem, expected, probe)):
+        torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9)
+    assert not torch.allclose(expected[:, -1], memory_read_without_updates(mem, hidden)[:, -1])
+
+
+def memory_read_without_updates(mem, hidden):
+    """Reads from the initial weights only: the reference must differ from this, or the test checks nothing."""
+    frozen = NeuralMemory(12, 2, 4, depth=mem.depth, expansion=2, conv_kernel=mem.conv_kernel, chunk_size=10**6,
+                          max_surprise_norm=mem.max_surprise_norm).double()
+    frozen.load_state_dict(mem.state_dict())
+    return frozen(hidden)[0]
+
+
+def test_padding_mask_matches_reference_and_never_writes():
+    torch.manual_seed(0)
+    mem = randomise(NeuralMemory(12, 2, 4, conv_kernel=3, chunk_size=4, max_lr=0.5, max_surprise_norm=0.05,
+                                 theta_bias_init=0.0).double(), 2)
+    hidden = torch.randn(2, 20, 12, dtype=torch.double)
+    mask = torch.ones(2, 20)
+    mask[0, 14:] = 0  # right padding: chunk 3 half real, chunk 4 none
+    mask[1, :6] = 0  # left padding: chunk 0 no real token, chunk 1 half
+    probe = torch.randn(2, 20, 8, dtype=torch.double)
+    reads, state = mem(hidden, mask=mask)
+    expected = reference(mem, hidden, mask)
+    torch.testing.assert_close(reads, expected, rtol=0, atol=1e-10)
+    for got, want in zip(param_grads(mem, reads, probe), param_grads(mem, expected, probe)):
+        torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9)
+    # a fully padded chunk is a no-op: row 0 after 16 tokens equals row 0 after 20 (chunk 4 is all padding)
+    _, state16 = mem(hidden[:, :16], mask=mask[:, :16])
+    for w20, w16 in zip(state.weights, state16.weights):
+        torch.testing.assert_close(w20[0], w16[0], rtol=0, atol=0)
+    # padding content is irrelevant: change the padded tokens, nothing changes for real tokens
+    noisy = hidden.clone()
+    noisy[0, 14:] += 5 * torch.randn(6, 12, dtype=torch.double)
+    noisy[1, :6] += 5 * torch.randn(6, 12, dtype=torch.double)
+    reads2, state2 = mem(noisy, mask=mask)
+    torch.testing.assert_close(reads2[0, :14], reads[0, :14], rtol=0, atol=1e-12)
+    torch.testing.assert_close(reads2[1, 6:], reads[1, 6:], rtol=0, atol=1e-12)
+    for a, b in zip(state.weights, state2.weights):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("batch", [16, 32, 48])
+def test_streaming_pieces_equal_one_pass(batch):
+    torch.manual_seed(0)
+    mem = randomise(NeuralMemory(24, 3, 8, chunk_size=16, batch_size=batch, conv_kernel=6, max_lr=0.5,
+                                 theta_bias_init=0.0), 3)
+    hidden = torch.randn(2, 172, 24)
+    mask = (torch.rand(2, 172) > 0.2).float()
+    for use_mask in (None, mask):
+        full, full_state = mem(hidden, mask=use_mask)
+        state, pieces, start = None, [], 0
+        for size in (1, 7, 64, 100):
+            out, state = mem(hidden[:, start:start + size], state, None if use_mask is None else use_mask[:, start:start + size])
+            pieces.append(out)
+            start += size
+        torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-5, atol=1e-5)
+        assert state.position == full_state.position == 172
+        for key, value in full_state.state_dict().items():
+            torch.testing.assert_close(state.state_dict()[key], value, rtol=1e-5, atol=1e-5, msg=key)
+
+
+def test_single_token_decoding_equals_one_pass():
+    torch.manual_seed(0)
+    mem = randomise(NeuralMemory(16, 2, 8, chunk_size=4, conv_kernel=4, max_lr=0.5, theta_bias_init=0.0), 4)
+    hidden = torch.randn(3, 13, 16)
+    full, _ = mem(hidden)
+    state, outs = None, []
+    for t in range(13):
+        out, state = mem(hidden[:, t:t + 1], state)
+        outs.append(out)
+    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-5, atol=1e-6)
+
+
+def test_causality_reads_and_gradients():
+    torch.manual_seed(0)
+    C, K = 8, 3
+    mem = randomise(NeuralMemory(16, 2, 8, chunk_size=C, conv_kernel=K, max_lr=0.5, theta_bias_init=0.0).double(), 5)
+    hidden = torch.randn(1, 40, 16, dtype=torch.double)
+    base, _ = mem(hidden)
+    t = 19  # inside chunk 2 = tokens 16..23
+    changed = hidden.clone()
+    changed[0, t] += 1.0
+    out, _ = mem(changed)
+    torch.testing.assert_close(out[0, :t], base[0, :t], rtol=0, atol=1e-13)  # nothing before t moves
+    # the rest of chunk 2 beyond the conv window reads W_1, which token t cannot have written
+    torch.testing.assert_close(out[0, t + K:24], base[0, t + K:24], rtol=0, atol=1e-13)
+    assert (out[0, t] - base[0, t]).abs().max() > 1e-3  # its own read sees it through q
+    assert (out[0, 24:32] - base[0, 24:32]).abs().max() > 1e-6  # chunk 3 reads W_2, written by token t
+    # gradients: read at position s depends on no later token
+    hidden.requires_grad_(True)
+    reads, _ = mem(hidden)
+    for s in (0, 7, 8, 23, 38):
+        (grad,) = torch.autograd.grad(reads[0, s].sum(), hidden, retain_graph=True)
+        assert grad[0, s + 1:].abs().max() == 0
+        assert grad[0, s].abs().max() > 0
+
+
+@pytest.mark.parametrize("depth,max_lr", [(1, 0.5), (2, 0.05)])
+def test_memory_learns_key_value_pairs_at_test_time(depth, max_lr):
+    """Hidden = [key | value]; q and k project the key half, v the value half. Streaming the pairs must make
+    M(q_i) return v_i far better than the initial weights do."""
+    torch.manual_seed(0)
+    d, n_pairs = 16, 8
+    mem = NeuralMemory(2 * d, 1, d, depth=depth, expansion=2, conv_kernel=1, chunk_size=4, max_lr=max_lr,
+                       max_surprise_norm=None, theta_bias_init=8.0, momentum_bias_init=-8.0, forget_bias_init=-12.0)
+    with torch.no_grad():
+        eye = torch.eye(d)
+        mem.to_qkv.weight.zero_()
+        mem.to_qkv.weight[:d, :d] = eye  # q <- key half
+        mem.to_qkv.weight[d:2 * d, :d] = eye  # k <- key half
+        mem.to_qkv.weight[2 * d:, d:] = eye  # v <- value half
+        mem.to_gates.weight.zero_()
+    keys = F.normalize(torch.randn(n_pairs, d), dim=-1)
+    values = F.normalize(torch.randn(n_pairs, d), dim=-1)
+    pairs = torch.cat([keys, values], -1)[None]  # both halves unit norm: the RMS norm scales every token alike
+    queries = torch.cat([keys, F.normalize(torch.randn(n_pairs, d), dim=-1)], -1)[None]
+    target = values * math.sqrt(d)  # RMSNorm of a [unit | unit] vector multiplies by sqrt(2d / 2)
+
+    def recall_error(state):
+        # one token per call: it sits in an unfinished chunk, so it only reads the state's weights
+        reads = torch.cat([mem(queries[:, i:i + 1], state)[0] for i in range(n_pairs)], 1)
+        return (reads[0] - target).norm(dim=-1).mean()
+
+    with torch.no_grad():
+        state = mem.init_state(1)
+        before = recall_error(state)
+        for _ in range(30):
+            _, state = mem(pairs, state)
+        after = recall_error(state)
+    assert after < 0.1 * before, (before, after)
+
+
+def test_million_token_stream_stays_bounded():
+    """With gate weights zeroed, eta and alpha are constants; clipping bounds |G| <= c, so per head
+    |S| <= c / (1 - eta) and |W_j| <= |W_0| + c / ((1 - eta) * alpha): the stream must respect that bound."""
+    torch.manual_seed(0)
+    clip, eta, alpha = 1.0, torch.sigmoid(torch.tensor(0.0)), torch.sigmoid(torch.tensor(-4.0))
+    mem = NeuralMemory(8, 2, 4, depth=2, expansion=2, conv_kernel=4, chunk_size=256, max_lr=1.0,
+                       max_surprise_norm=clip, theta_bias_init=4.0, momentum_bias_init=0.0, forget_bias_init=-4.0)
+    with torch.no_grad():
+        mem.to_gates.weight.zero_()
+
+    def head_norms(weights):
+        return torch.sqrt(sum(w.pow(2).sum((-2, -1)) for w in weights))
+
+    bound = head_norms([w[None] for w in mem.initial_weights]) + clip / ((1 - eta) * alpha)
+    state, largest = None, torch.zeros(1, 2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: a second thread only adds sync cost, badly so on a busy machine
+    try:
+        with torch.no_grad():
+            for _ in range(16):
+                reads, state = mem(3 * torch.randn(1, 65536, 8), state)
+                assert torch.isfinite(reads).all()
+                largest = torch.maximum(largest, head_norms(state.weights))
+    finally:
+        torch.set_num_threads(threads)
+    assert state.position == 2**20
+    assert (largest <= bound).all(), (largest, bound)
+    moved = head_norms([w - w0 for w, w0 in zip(state.weights, mem.initial_weights)])
+    assert (moved > 1.0).all()  # the memory did write all along: the bound is not vacuous
+
+
+def test_bf16_activations_keep_fp32_state():
+    torch.manual_seed(0)
+    mem = randomise(NeuralMemory(16, 2, 8, chunk_size=8, max_lr=0.5, theta_bias_init=0.0), 6)
+    hidden = torch.randn(2, 30, 16)
+    reads32, _ = mem(hidden)
+    reads16, state = mem(hidden.bfloat16())
+    assert reads16.dtype == torch.bfloat16
+    assert all(t.dtype == torch.float32 for t in state.state_dict().values() if t.is_floating_point())
+    torch.testing.assert_close(reads16.float(), reads32, rtol=0.05, atol=0.05)
+    mem_bf16 = randomise(NeuralMemory(16, 2, 8, chunk_size=8), 6).bfloat16()
+    reads, state = mem_bf16(hidden.bfloat16())
+    assert reads.dtype == torch.bfloat16 and state.weights[0].dtype == torch.float32 and torch.isfinite(reads).all()
+
+
+def test_state_save_restore_select_and_detach(tmp_path):
+    torch.manual_seed(0)
+    mem = randomise(NeuralMemory(16, 2, 8, chunk_size=8, batch_size=16, max_lr=0.5, theta_bias_init=0.0), 7)
+    hidden = torch.randn(3, 45, 16)
+    full, _ = mem(hidden)
+    _, state = mem(hidden[:, :21])
+    save_file(state.state_dict(), tmp_path / "state.safetensors")
+    restored = MemoryState.from_state_dict(load_file(tmp_path / "state.safetensors"))
+    assert restored.position == 21
+    rest, _ = mem(hidden[:, 21:], restored)
+    torch.testing.assert_close(rest, full[:, 21:], rtol=1e-5, atol=1e-6)
+
+    rows = [2, 0, 0]
+    picked, _ = mem(hidden[rows, 21:], state.select(rows))
+    torch.testing.assert_close(picked, full[rows, 21:], rtol=1e-5, atol=1e-6)
+
+    detached = state.detach()
+    assert state.weights[0].grad_fn is not None
+    assert all(t.grad_fn is None for t in detached.weights + detached.momentum + [detached.buffer_keys])
+    torch.testing.assert_close(detached.weights[0], state.weights[0], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="missing"):
+        MemoryState.from_state_dict({"position": torch.tensor(3)})
+
+
+def test_bad_arguments_name_the_problem():
+    with pytest.raises(ValueError, match="batch_size"):
+        NeuralMemory(16, 2, 8, chunk_size=8, batch_size=12)
+    with pytest.raises(ValueError, match="depth"):
+        NeuralMemory(16, 2, 8, depth=0)
+    mem = NeuralMemory(16, 2, 8)
+    with pytest.raises(ValueError, match="hidden"):
+        mem(torch.randn(2, 5, 15))
+    with pytest.raises(ValueError, match="mask"):
+        mem(torch.randn(2, 5, 16), mask=torch.ones(2, 4))
+    with pytest.raises(ValueError, match="rows"):
+        mem(torch.randn(2, 5, 16), mem.init_state(3))
