@@ -3,14 +3,53 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
+
+def push(args: argparse.Namespace) -> int:
+    from titans_hf.hub import push_memory_folder
+
+    results = None
+    if args.results is not None:
+        try:
+            results = json.loads(Path(args.results).read_text(encoding="utf-8"))
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{args.results}: not valid JSON ({error})") from error
+    commit_url = push_memory_folder(
+        args.folder,
+        args.repo_id,
+        endpoint=args.endpoint,
+        private=args.private,
+        commit_message=args.commit_message,
+        results=results,
+    )
+    print(commit_url)
+    return 0
+
+
+def add_push_parser(subcommands: argparse._SubParsersAction) -> None:
+    parser = subcommands.add_parser(
+        "push",
+        help="upload a save_memory folder (weights, config, model card) to a Hub model repository",
+        # No --token: a token typed on the command line ends up in shell history.
+        description="Upload memory_model.safetensors, memory_config.json and a rendered README.md to the Hub. "
+        "The token comes from HF_TOKEN or `hf auth login`.",
+    )
+    parser.add_argument("folder", help="folder written by model.save_memory")
+    parser.add_argument("repo_id", help="Hub model repository, e.g. your-name/qwen-titans-memory")
+    parser.add_argument("--private", action="store_true", help="create the repository as private")
+    parser.add_argument("--endpoint", default=None, help="Hub endpoint (default: HF_ENDPOINT or huggingface.co)")
+    parser.add_argument("--results", default=None, help="evaluation JSON from `titans-hf eval` for the card's table")
+    parser.add_argument("--commit-message", default=None)
+    parser.set_defaults(func=push)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="titans-hf", description=__doc__)
     subcommands = parser.add_subparsers(dest="command", required=True)
     # Each subcommand module adds its parser here and sets `func` (a callable taking the Namespace).
-    del subcommands
+    add_push_parser(subcommands)
     return parser
 
 

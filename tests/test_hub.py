@@ -1,0 +1,456 @@
+"""Pushing a memory folder to the Hub, through the real `huggingface_hub` client and a loopback server.
+
+The server speaks the part of the Hub's HTTP API that `HfApi.create_repo` + `create_commit` use:
+repo creation, README metadata validation, preupload (which files go through LFS), the LFS batch
+API with a basic-transfer PUT, and the ndjson commit. It decides upload modes like the Hub's
+default .gitattributes (safetensors through LFS, JSON and Markdown inline) and stores what each
+commit makes of the repository, so the tests compare received bytes with the files on disk.
+The Xet transfer path is switched off here (it needs Hugging Face's storage service); the
+client falls back to the LFS protocol, which the Hub still serves.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from huggingface_hub import ModelCard, constants
+from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+from safetensors.numpy import save_file
+
+from titans_hf.cli import main as cli_main
+from titans_hf.hub import push_memory_folder, render_memory_card
+
+MEMORY_SETTINGS = {
+    "chunk_size": 64,
+    "memory_layers": [1],
+    "variant": "mag",
+    "memory_num_heads": 2,
+    "memory_head_dim": 8,
+    "memory_depth": 2,
+    "memory_expansion": 4,
+    "conv_kernel": 4,
+    "memory_chunk_size": 16,
+    "memory_batch_size": None,
+    "max_lr": 0.1,
+    "num_memory_tokens": 0,
+    "num_persistent_tokens": 0,
+    "bptt_chunks": None,
+    "freeze_base": True,
+}
+MEMORY_CONFIG = {
+    "base_model_name_or_path": "Qwen/Qwen3-0.6B",
+    "model_type": "titans_qwen",
+    "titans_hf_version": "0.1.0",
+    "memory_settings": MEMORY_SETTINGS,
+    "base_shape": {"hidden_size": 32, "num_hidden_layers": 2, "vocab_size": 512, "model_type": "qwen3"},
+}
+RESULTS = {
+    "accuracy": {
+        "qa1": {"32k": {"memory": 0.9, "no_memory": 0.35}, "1k": {"memory": 1.0, "no_memory": 0.5}},
+        "qa2": {"32k": {"memory": 0.25, "no_memory": 0.3}},
+    }
+}
+REPO_ID = "someone/qwen3-titans-memory"
+HUB_FILES = {"memory_model.safetensors", "memory_config.json", "README.md"}
+
+
+class HubStub:
+    """What the loopback Hub has seen and holds."""
+
+    def __init__(self, token: str):
+        self.token = token
+        self.endpoint = ""
+        self.requests: list[tuple[str, str]] = []
+        self.unknown_requests: list[tuple[str, str]] = []
+        self.authorizations: list[str | None] = []
+        self.repos: dict[str, dict] = {}
+        self.files: dict[str, dict[str, bytes]] = {}
+        self.commits: list[dict] = []
+        self.lfs_storage: dict[str, bytes] = {}
+
+
+def _make_handler(hub: HubStub) -> type[BaseHTTPRequestHandler]:
+    repo_route = r"/api/models/(?P<repo>[^/]+/[^/]+|[^/]+)"
+    model_route = repo_route + r"/(?P<action>preupload|commit)/(?P<revision>[^/?]+)"
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format, *args):  # the tests read `hub.requests` instead of a stderr log
+            pass
+
+        def _body(self) -> bytes:
+            if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                body = b""
+                while True:
+                    size = int(self.rfile.readline().split(b";")[0], 16)
+                    if size == 0:
+                        self.rfile.readline()
+                        return body
+                    body += self.rfile.read(size)
+                    self.rfile.readline()
+            return self.rfile.read(int(self.headers.get("Content-Length", 0)))
+
+        def _reply(self, status: int, payload: dict | None = None, error_code: str | None = None) -> None:
+            data = json.dumps(payload if payload is not None else {}).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            if error_code:
+                self.send_header("X-Error-Code", error_code)
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _authorized(self) -> bool:
+            hub.authorizations.append(self.headers.get("Authorization"))
+            if self.headers.get("Authorization") != f"Bearer {hub.token}":
+                self._reply(401, {"error": "Invalid credentials"})
+                return False
+            return True
+
+        def do_PUT(self):
+            body = self._body()
+            hub.requests.append(("PUT", self.path))
+            storage = re.fullmatch(r"/lfs-storage/(?P<oid>[0-9a-f]{64})", self.path)
+            if storage is None:
+                hub.unknown_requests.append(("PUT", self.path))
+                return self._reply(404, {"error": "unknown route"})
+            if hashlib.sha256(body).hexdigest() != storage["oid"]:
+                return self._reply(400, {"error": "content does not match its sha256"})
+            hub.lfs_storage[storage["oid"]] = body
+            self._reply(200)
+
+        def do_POST(self):
+            body = self._body()
+            path = self.path.split("?")[0]
+            hub.requests.append(("POST", path))
+            if path == "/api/repos/create":
+                return self._create_repo(json.loads(body))
+            if path == "/api/validate-yaml":
+                return self._validate_yaml(json.loads(body))
+            batch = re.fullmatch(r"/(?P<repo>.+)\.git/info/lfs/objects/batch", path)
+            if batch is not None:
+                return self._lfs_batch(batch["repo"], json.loads(body))
+            route = re.fullmatch(model_route, path)
+            if route is not None and route["action"] == "preupload":
+                return self._preupload(route["repo"], json.loads(body))
+            if route is not None and route["action"] == "commit":
+                return self._commit(route["repo"], route["revision"], body)
+            hub.unknown_requests.append(("POST", path))
+            self._reply(404, {"error": "unknown route"})
+
+        def do_GET(self):
+            hub.requests.append(("GET", self.path))
+            # create_repo(exist_ok=True) asks for the repo's info after a 401; only the refusal is needed.
+            if re.fullmatch(repo_route + r"(/revision/.*)?", self.path.split("?")[0]):
+                if not self._authorized():
+                    return
+            hub.unknown_requests.append(("GET", self.path))
+            self._reply(404, {"error": "unknown route"})
+
+        def _create_repo(self, payload: dict) -> None:
+            if not self._authorized():
+                return
+            repo_id = f"{payload['organization']}/{payload['name']}" if payload.get("organization") else payload["name"]
+            url = f"{hub.endpoint}/{repo_id}"
+            if repo_id in hub.repos:
+                return self._reply(409, {"error": "You already created this model repo", "url": url})
+            hub.repos[repo_id] = {"visibility": payload.get("visibility"), "type": payload.get("type")}
+            hub.files[repo_id] = {}
+            self._reply(200, {"url": url})
+
+        def _validate_yaml(self, payload: dict) -> None:
+            if not self._authorized():
+                return
+            match = re.match(r"---\n(.*?)\n---\n", payload["content"], re.DOTALL)
+            if match is None or not isinstance(yaml.safe_load(match[1]), dict):
+                return self._reply(400, {"errors": [{"message": "README.md has no YAML metadata header"}]})
+            self._reply(200, {"errors": [], "warnings": []})
+
+        def _preupload(self, repo_id: str, payload: dict) -> None:
+            if not self._authorized():
+                return
+            if repo_id not in hub.repos:
+                return self._reply(404, {"error": "Repository not found"}, error_code="RepoNotFound")
+            files = [
+                {
+                    "path": entry["path"],
+                    "uploadMode": "lfs" if entry["path"].endswith(".safetensors") else "regular",
+                    "shouldIgnore": False,
+                    "oid": None,
+                }
+                for entry in payload["files"]
+            ]
+            self._reply(200, {"files": files})
+
+        def _lfs_batch(self, repo_id: str, payload: dict) -> None:
+            if not self._authorized():
+                return
+            assert payload["operation"] == "upload" and "basic" in payload["transfers"]
+            objects = [
+                {
+                    "oid": item["oid"],
+                    "size": item["size"],
+                    "authenticated": True,
+                    "actions": {"upload": {"href": f"{hub.endpoint}/lfs-storage/{item['oid']}"}},
+                }
+                for item in payload["objects"]
+            ]
+            self._reply(200, {"transfer": "basic", "objects": objects})
+
+        def _commit(self, repo_id: str, revision: str, body: bytes) -> None:
+            if not self._authorized():
+                return
+            if repo_id not in hub.repos:
+                return self._reply(404, {"error": "Repository not found"}, error_code="RepoNotFound")
+            lines = [json.loads(line) for line in body.decode().splitlines() if line]
+            header, operations = lines[0], lines[1:]
+            assert header["key"] == "header"
+            received: dict[str, bytes] = {}
+            kinds: dict[str, str] = {}
+            for operation in operations:
+                value = operation["value"]
+                if operation["key"] == "file":
+                    received[value["path"]] = base64.b64decode(value["content"])
+                elif operation["key"] == "lfsFile":
+                    content = hub.lfs_storage.get(value["oid"])
+                    if content is None or len(content) != value["size"]:
+                        return self._reply(400, {"error": f"LFS object of {value['path']} was never uploaded"})
+                    received[value["path"]] = content
+                else:
+                    return self._reply(400, {"error": f"unsupported commit operation {operation['key']}"})
+                kinds[value["path"]] = operation["key"]
+            hub.files[repo_id].update(received)
+            commit_oid = hashlib.sha1(body).hexdigest()
+            hub.commits.append({"repo_id": repo_id, "revision": revision, "summary": header["value"]["summary"],
+                                "files": received, "kinds": kinds})
+            self._reply(200, {"commitUrl": f"{hub.endpoint}/{repo_id}/commit/{commit_oid}", "commitOid": commit_oid})
+
+    return Handler
+
+
+@pytest.fixture
+def hub_token() -> str:
+    return "hf_" + secrets.token_hex(16)
+
+
+@pytest.fixture
+def hub(monkeypatch, hub_token):
+    """A loopback Hub; the client is let online for it and uses the LFS protocol instead of Xet."""
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    stub = HubStub(hub_token)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _make_handler(stub))
+    stub.endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield stub
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+@pytest.fixture
+def memory_folder(tmp_path) -> Path:
+    """A save_memory folder, plus what a training output folder also holds and must stay local."""
+    folder = tmp_path / "memory"
+    folder.mkdir()
+    save_file(
+        {
+            "model.layers.1.memory.to_keys.weight": np.arange(64, dtype=np.float32).reshape(16, 4),
+            "model.layers.1.memory_gate.bias": np.full(4, -3.0, dtype=np.float32),
+        },
+        str(folder / "memory_model.safetensors"),
+    )
+    (folder / "memory_config.json").write_text(json.dumps(MEMORY_CONFIG, indent=2))
+    (folder / "README.md").write_text("---\nlibrary_name: transformers\n---\nA stale generic card.\n")
+    (folder / "training_args.json").write_text("{}")
+    (folder / "checkpoint-8").mkdir()
+    (folder / "checkpoint-8" / "optimizer.pt").write_bytes(b"\x00" * 32)
+    return folder
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+def test_push_uploads_exactly_the_memory_files_and_the_rendered_card(hub, hub_token, memory_folder):
+    before = _snapshot(memory_folder)
+    commit_url = push_memory_folder(memory_folder, REPO_ID, token=hub_token, endpoint=hub.endpoint,
+                                    private=True, results=RESULTS)
+
+    assert hub.unknown_requests == []
+    assert hub.repos == {REPO_ID: {"visibility": "private", "type": None}}
+    assert len(hub.commits) == 1
+    commit = hub.commits[0]
+    assert commit_url.startswith(f"{hub.endpoint}/{REPO_ID}/commit/") and commit["revision"] == "main"
+    assert set(commit["files"]) == HUB_FILES
+    assert commit["files"]["memory_model.safetensors"] == before["memory_model.safetensors"]
+    assert commit["files"]["memory_config.json"] == before["memory_config.json"]
+    assert commit["files"]["README.md"].decode() == render_memory_card(MEMORY_CONFIG, RESULTS, repo_id=REPO_ID)
+    # The weights travelled through LFS (as on the Hub), the small text files inline.
+    assert commit["kinds"] == {"memory_model.safetensors": "lfsFile", "memory_config.json": "file", "README.md": "file"}
+    assert list(hub.lfs_storage.values()) == [before["memory_model.safetensors"]]
+    assert hub.authorizations and set(hub.authorizations) == {f"Bearer {hub_token}"}
+    assert _snapshot(memory_folder) == before
+
+
+def test_push_to_an_existing_repository_adds_a_commit(hub, hub_token, memory_folder):
+    first = push_memory_folder(memory_folder, REPO_ID, token=hub_token, endpoint=hub.endpoint)
+    second = push_memory_folder(memory_folder, REPO_ID, token=hub_token, endpoint=hub.endpoint,
+                                results=RESULTS, commit_message="Add evaluation")
+
+    assert first != second
+    assert [commit["summary"] for commit in hub.commits][1] == "Add evaluation"
+    assert hub.repos[REPO_ID]["visibility"] == "public"
+    assert "Not evaluated yet." in hub.commits[0]["files"]["README.md"].decode()
+    assert hub.files[REPO_ID]["README.md"].decode() == render_memory_card(MEMORY_CONFIG, RESULTS, repo_id=REPO_ID)
+    assert hub.unknown_requests == []
+
+
+@pytest.mark.parametrize("missing", ["memory_model.safetensors", "memory_config.json"])
+def test_push_names_the_missing_file(hub, hub_token, memory_folder, missing):
+    (memory_folder / missing).unlink()
+    with pytest.raises(FileNotFoundError, match=re.escape(str(memory_folder / missing))):
+        push_memory_folder(memory_folder, REPO_ID, token=hub_token, endpoint=hub.endpoint)
+    assert hub.requests == []
+
+
+def test_push_refuses_a_config_the_card_cannot_describe(hub, hub_token, memory_folder):
+    config = json.loads((memory_folder / "memory_config.json").read_text())
+    del config["memory_settings"]["variant"], config["memory_settings"]["memory_depth"]
+    (memory_folder / "memory_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"memory_config\.json: 'memory_settings' lacks variant, memory_depth"):
+        push_memory_folder(memory_folder, REPO_ID, token=hub_token, endpoint=hub.endpoint)
+    (memory_folder / "memory_model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match=r"memory_model\.safetensors: not a readable safetensors file"):
+        push_memory_folder(memory_folder, REPO_ID, token=hub_token, endpoint=hub.endpoint)
+    assert hub.requests == []
+
+
+def test_push_without_a_token_says_how_to_provide_one(hub, memory_folder, monkeypatch, tmp_path):
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no_token_here"))
+    with pytest.raises(ValueError, match="no Hugging Face token; set HF_TOKEN or run `hf auth login`"):
+        push_memory_folder(memory_folder, REPO_ID, endpoint=hub.endpoint)
+    assert hub.requests == []
+
+
+def test_push_in_offline_mode_fails_before_any_request(hub, hub_token, memory_folder, monkeypatch):
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(OfflineModeIsEnabled, match=r"offline mode is on \(HF_HUB_OFFLINE=1\)"):
+        push_memory_folder(memory_folder, REPO_ID, token=hub_token, endpoint=hub.endpoint)
+    assert hub.requests == []
+
+
+def test_cli_push_with_hf_hub_offline_set_fails_clearly(hub, hub_token, memory_folder):
+    """The environment variable itself, read by a fresh process, as a user would set it."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_TOKEN": hub_token}
+    completed = subprocess.run(
+        [sys.executable, "-m", "titans_hf.cli", "push", str(memory_folder), REPO_ID, "--endpoint", hub.endpoint],
+        env=env, capture_output=True, text=True, check=False,
+    )
+    assert completed.returncode != 0
+    assert f"Cannot push {memory_folder} to {REPO_ID}: offline mode is on (HF_HUB_OFFLINE=1)" in completed.stderr
+    assert hub_token not in completed.stdout + completed.stderr
+    assert hub.requests == []
+
+
+def test_cli_push_reads_the_token_from_the_environment_and_never_prints_it(
+    hub, hub_token, memory_folder, tmp_path, monkeypatch, capfd, caplog
+):
+    results_path = tmp_path / "results.json"
+    results_path.write_text(json.dumps(RESULTS))
+    monkeypatch.setenv("HF_TOKEN", hub_token)
+    caplog.set_level(logging.DEBUG)
+    caplog.set_level(logging.DEBUG, logger="huggingface_hub")
+
+    exit_code = cli_main(["push", str(memory_folder), REPO_ID, "--endpoint", hub.endpoint, "--private",
+                          "--results", str(results_path)])
+
+    out, err = capfd.readouterr()
+    assert exit_code == 0
+    assert out.strip().startswith(f"{hub.endpoint}/{REPO_ID}/commit/")
+    assert set(hub.authorizations) == {f"Bearer {hub_token}"}
+    assert hub.repos[REPO_ID]["visibility"] == "private"
+    assert "| qa1 | 32k | 0.900 | 0.350 | +0.550 |" in hub.files[REPO_ID]["README.md"].decode()
+    # The client did log every request at debug level, and none of it holds the token.
+    assert any("/api/repos/create" in record.getMessage() for record in caplog.records)
+    assert hub_token not in out + err + caplog.text
+
+
+def test_a_rejected_token_is_not_echoed_in_the_error(hub, memory_folder):
+    wrong_token = "hf_" + secrets.token_hex(16)
+    with pytest.raises(HfHubHTTPError) as raised:
+        push_memory_folder(memory_folder, REPO_ID, token=wrong_token, endpoint=hub.endpoint)
+    assert raised.value.response.status_code == 401
+    assert wrong_token not in str(raised.value) + repr(raised.value)
+    assert hub.unknown_requests == [] and hub.repos == {}
+    assert hub.authorizations == [f"Bearer {wrong_token}"] * 2  # repo creation, then the repo-info fallback
+
+
+def test_card_metadata_table_and_loading_snippet():
+    card_text = render_memory_card(MEMORY_CONFIG, RESULTS, repo_id=REPO_ID)
+    card = ModelCard(card_text)
+
+    assert card.data.base_model == "Qwen/Qwen3-0.6B"
+    assert card.data.library_name == "titans_hf"
+    assert card.data.datasets == ["RMT-team/babilong"]
+    assert card.data.metrics == ["accuracy"]
+    assert {"titans", "qwen3", "mag"} <= set(card.data.tags)
+    rows = [line for line in card_text.splitlines() if line.startswith("| qa")]
+    assert rows == [  # the evaluator's order, difference = memory - no_memory
+        "| qa1 | 32k | 0.900 | 0.350 | +0.550 |",
+        "| qa1 | 1k | 1.000 | 0.500 | +0.500 |",
+        "| qa2 | 32k | 0.250 | 0.300 | -0.050 |",
+    ]
+    assert "Not evaluated yet." not in card_text
+    assert 'TitansQwenForCausalLM.from_base_and_memory("Qwen/Qwen3-0.6B", "someone/qwen3-titans-memory")' in card_text
+    assert "| `memory_layers` | `[1]` |" in card_text
+    assert "The base model stayed frozen" in card_text
+
+
+def test_card_without_results_and_with_a_local_base():
+    config = {**MEMORY_CONFIG, "base_model_name_or_path": "/data/models/qwen3-local",
+              "memory_settings": {**MEMORY_SETTINGS, "variant": "mac", "num_persistent_tokens": 4,
+                                  "num_memory_tokens": 8, "bptt_chunks": 2}}
+    card_text = render_memory_card(config, repo_id=REPO_ID)
+    card = ModelCard(card_text)
+
+    assert card.data.base_model is None  # the Hub links bases by repository id only
+    assert "## Evaluation\n\nNot evaluated yet.\n" in card_text
+    assert "| task |" not in card_text
+    assert "local path `/data/models/qwen3-local`" in card_text
+    assert "Each chunk is prefixed with 4 learned\npersistent tokens and 8 tokens read from the memory" in card_text
+    assert "Gradients flowed back through 2 chunks" in card_text
+
+
+@pytest.mark.parametrize(
+    ("results", "message"),
+    [
+        ({"acc": {}}, "results: expected {'accuracy'"),
+        ({"accuracy": {"qa1": {"32k": {"memory": 0.9}}}}, r"results\['accuracy'\]\['qa1'\]\['32k'\]\['no_memory'\]"),
+        (
+            {"accuracy": {"qa1": {"32k": {"memory": 90, "no_memory": 0.3}}}},
+            r"\['memory'\]: expected an accuracy in \[0, 1\], got 90",
+        ),
+    ],
+)
+def test_card_refuses_malformed_results(results, message):
+    with pytest.raises(ValueError, match=message):
+        render_memory_card(MEMORY_CONFIG, results, repo_id=REPO_ID)
