@@ -1,3 +1,5 @@
 """titans_hf: a Titans neural long-term memory for pretrained Qwen models on the Hugging Face stack."""
 
 __version__ = "0.1.0"
+
+from . import data  # noqa: E402,F401  (registers the titans_tokens datasets builder)

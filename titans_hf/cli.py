@@ -7,6 +7,9 @@ import json
 import sys
 from pathlib import Path
 
+from titans_hf.data.prepare import add_prepare_parser
+
+
 def push(args: argparse.Namespace) -> int:
     from titans_hf.hub import push_memory_folder
 
@@ -50,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     subcommands = parser.add_subparsers(dest="command", required=True)
     # Each subcommand module adds its parser here and sets `func` (a callable taking the Namespace).
     add_push_parser(subcommands)
+    add_prepare_parser(subcommands)
     return parser
 
 

@@ -1,0 +1,185 @@
+"""`titans_tokens`: token stores served as Arrow-backed windowed examples through `datasets`.
+
+    load_dataset("titans_tokens", data_files="corpus.h5", train_type="seq", window_size=4096, stride=2048)
+    load_dataset("titans_tokens", data_files={"train": "train_bin/*", "test": "test_bin/meta.json"}, ...)
+
+`data_files` name `.h5` stores or any file of a bin store (`meta.json`, `<key>.bin`); each store is
+read lazily and its examples (see `TokenExamples`) are written to the Arrow cache in window
+ranges, which are the shards `num_proc` and streaming split the work over. The cache key holds
+every config value and, beyond the data files' own mtimes, the size and mtime of every file of
+each store, so touching a `.bin` beside a listed `meta.json` rebuilds too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import datasets
+import numpy as np
+import pyarrow as pa
+from datasets.builder import Key
+
+from titans_hf.data.stores import detect_format, open_store
+from titans_hf.data.windows import TRAIN_TYPE_KEYS, TokenExamples
+
+# Each store is cut into this many window ranges: enough shards for any sensible num_proc.
+RANGES_PER_STORE = 64
+# Arrow tables of about this many tokens: large enough to amortise per-table work, small enough
+# that a window of a million tokens does not make a table of gigabytes.
+TOKENS_PER_TABLE = 1 << 21
+RECORDS_PER_TABLE = 256
+
+_IDS = datasets.List(datasets.Value("int32"))
+_MASK = datasets.List(datasets.Value("int8"))
+FEATURES: dict[str, datasets.Features] = {
+    "seq": datasets.Features({"input_ids": _IDS, "attention_mask": _MASK, "labels": _IDS}),
+    "sft": datasets.Features({"input_ids": _IDS, "attention_mask": _MASK, "labels": _IDS}),
+    "dpo": datasets.Features(
+        {f"{side}_{name}": feature for side in ("chosen", "rejected") for name, feature in
+         (("input_ids", _IDS), ("attention_mask", _MASK), ("labels", _IDS))}
+    ),
+    "grpo": datasets.Features(
+        {
+            "prompt_ids": _IDS,
+            "completion_ids": datasets.List(_IDS),
+            "completion_mask": datasets.List(_MASK),
+            "rewards": datasets.List(datasets.Value("float32")),
+        }
+    ),
+}
+
+
+def store_roots(files: Iterable[str | Path]) -> list[Path]:
+    """The distinct stores that data files name, in order: `.h5` files, and bin stores by directory."""
+    roots: list[Path] = []
+    for file in files:
+        path = Path(file)
+        if detect_format(path) == "bin":
+            path = path.parent
+            detect_format(path)  # a bin store directory that also holds HDF5 files is ambiguous
+        if path not in roots:
+            roots.append(path)
+    return roots
+
+
+def store_fingerprint(roots: Iterable[Path]) -> list[tuple[str, int, int]]:
+    """Size and mtime of every file of each store: a change to any of them must rebuild the cache."""
+    files: list[Path] = []
+    for root in roots:
+        files += sorted(entry for entry in root.iterdir() if entry.is_file()) if root.is_dir() else [root]
+    return [(str(file), file.stat().st_size, file.stat().st_mtime_ns) for file in files]
+
+
+@dataclass
+class TitansTokensConfig(datasets.BuilderConfig):
+    """Plain values only, so the Arrow cache key changes exactly when an input changes.
+
+    `window_size`, `stride` (default: `window_size`), `pad_tail` and `respect_document_boundaries`
+    apply to `seq` and `sft`; `dpo` and `grpo` yield whole records. `pad_token_id` defaults to the
+    store's pad (or eos) id.
+    """
+
+    train_type: str = "seq"
+    window_size: int | None = None
+    stride: int | None = None
+    pad_tail: bool = False
+    respect_document_boundaries: bool = False
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.train_type not in TRAIN_TYPE_KEYS:
+            raise ValueError(f"train_type must be one of {list(TRAIN_TYPE_KEYS)}, got {self.train_type!r}")
+
+    def create_config_id(self, config_kwargs: dict, custom_features: datasets.Features | None = None) -> str:
+        if self.data_files is not None:
+            files = [file for split_files in self.data_files.values() for file in split_files]
+            config_kwargs = {**config_kwargs, "store_files": store_fingerprint(store_roots(files))}
+        return super().create_config_id(config_kwargs, custom_features=custom_features)
+
+
+def _list_array(rows: Any, arrow_type: pa.ListType) -> pa.Array:
+    """Build a list column from a 2-D array (equal rows) or a list of arrays / of lists of arrays."""
+    value_type = arrow_type.value_type
+    if isinstance(rows, np.ndarray):
+        count, width = rows.shape
+        offsets = np.arange(0, count * width + 1, width, dtype=np.int32)
+        return pa.ListArray.from_arrays(offsets, pa.array(rows.reshape(-1), type=value_type))
+    offsets = np.concatenate([[0], np.cumsum([len(row) for row in rows])]).astype(np.int32)
+    if pa.types.is_list(value_type):
+        values = _list_array([inner for row in rows for inner in row], value_type)
+    else:
+        flat = np.concatenate(rows) if rows else np.empty(0, value_type.to_pandas_dtype())
+        values = pa.array(flat, type=value_type)
+    return pa.ListArray.from_arrays(offsets, values)
+
+
+class TitansTokens(datasets.ArrowBasedBuilder):
+    BUILDER_CONFIG_CLASS = TitansTokensConfig
+    config: TitansTokensConfig
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        # Used as a class (download_and_prepare / as_dataset), the builder gets the same code hash
+        # in its cache path that registration gives load_dataset, so a code change rebuilds both.
+        if kwargs.get("hash") is None:
+            from titans_hf.data import source_hash
+
+            kwargs["hash"] = source_hash()
+        super().__init__(*args, **kwargs)
+
+    def _info(self) -> datasets.DatasetInfo:
+        return datasets.DatasetInfo(
+            description="Windows (seq, sft) or whole records (dpo, grpo) from titans_hf token stores.",
+            features=FEATURES[self.config.train_type],
+        )
+
+    def _examples(self, store) -> TokenExamples:
+        config = self.config
+        return TokenExamples(
+            store,
+            config.train_type,
+            window_size=config.window_size,
+            stride=config.stride,
+            pad_tail=config.pad_tail,
+            respect_document_boundaries=config.respect_document_boundaries,
+            pad_token_id=config.pad_token_id,
+        )
+
+    def _split_generators(self, dl_manager) -> list[datasets.SplitGenerator]:
+        if not self.config.data_files:
+            raise ValueError(
+                "titans_tokens needs data_files: .h5 stores and/or files of bin stores (e.g. 'corpus_bin/*')"
+            )
+        splits = []
+        for split, files in self.config.data_files.items():
+            ranges: list[tuple[str, int, int]] = []
+            for root in store_roots(files):
+                with open_store(root) as store:
+                    count = len(self._examples(store))
+                step = math.ceil(count / RANGES_PER_STORE)
+                ranges += [(str(root), start, min(start + step, count)) for start in range(0, count, step)]
+            splits.append(datasets.SplitGenerator(name=split, gen_kwargs={"ranges": ranges}))
+        return splits
+
+    def _generate_tables(self, ranges: list[tuple[str, int, int]]) -> Iterator[tuple[Key, pa.Table]]:
+        schema = self.info.features.arrow_schema
+        window_size = self.config.window_size
+        rows_per_table = max(1, TOKENS_PER_TABLE // window_size) if window_size else RECORDS_PER_TABLE
+        store, examples = None, None
+        try:
+            for range_index, (root, start, stop) in enumerate(ranges):
+                if store is None or str(store.path) != root:  # ranges of one store follow each other
+                    if store is not None:
+                        store.close()
+                    store = open_store(root)
+                    examples = self._examples(store)
+                for table_index, begin in enumerate(range(start, stop, rows_per_table)):
+                    columns = examples.batch(begin, min(begin + rows_per_table, stop))
+                    arrays = [_list_array(columns[field.name], field.type) for field in schema]
+                    yield Key(range_index, table_index), pa.Table.from_arrays(arrays, schema=schema)
+        finally:
+            if store is not None:
+                store.close()
