@@ -1,0 +1,19 @@
+"""Titans-augmented Qwen: config, model, memory; registered with the transformers Auto classes on import."""
+
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from .configuration_titans_qwen import TitansQwenConfig
+from .memory import MemoryState, NeuralMemory
+from .modeling_titans_qwen import TitansCache, TitansQwenForCausalLM, TitansQwenPreTrainedModel
+
+AutoConfig.register(TitansQwenConfig.model_type, TitansQwenConfig, exist_ok=True)
+AutoModelForCausalLM.register(TitansQwenConfig, TitansQwenForCausalLM, exist_ok=True)
+
+__all__ = [
+    "MemoryState",
+    "NeuralMemory",
+    "TitansCache",
+    "TitansQwenConfig",
+    "TitansQwenForCausalLM",
+    "TitansQwenPreTrainedModel",
+]
