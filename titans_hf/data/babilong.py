@@ -1,0 +1,642 @@
+"""BABILong: an offline bAbI-in-a-haystack generator, the JSON format, example assembly and scoring.
+
+The public BABILong files cannot be downloaded here and only come at a few lengths, so the same
+kind of data is generated locally: a bAbI story (QA1 single supporting fact, QA2 two, QA3 three)
+whose facts are scattered, in story order, over the sentence gaps of a haystack sized in tokens
+of the tokenizer that will read it. Rows are plain ``{"input", "question", "target"}`` dicts, the
+public format, so generated and public files go through the same reader and the same assembly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+ACTORS = ["John", "Mary", "Sandra", "Daniel"]
+LOCATIONS = ["bathroom", "bedroom", "garden", "hallway", "kitchen", "office"]
+OBJECTS = ["football", "apple", "milk"]
+MOVE_VERBS = ["moved to", "went to", "journeyed to", "travelled to", "went back to"]
+PICK_VERBS = ["picked up", "got", "grabbed", "took"]
+DROP_VERBS = ["dropped", "discarded", "put down", "left"]
+
+TASK_LABELS: dict[str, list[str]] = {"qa1": list(LOCATIONS), "qa2": list(LOCATIONS), "qa3": list(LOCATIONS)}
+# Fewest facts a valid story can have: QA3 needs a move, a pick-up and a second move.
+STORY_FACTS: dict[str, tuple[int, int]] = {"qa1": (2, 10), "qa2": (2, 10), "qa3": (3, 10)}
+
+PROMPT_TEMPLATE = "{input}\n\nQuestion: {question}\nAnswer:"
+REQUIRED_FIELDS = ("input", "question", "target")
+
+_TASK_WORDS = re.compile(r"\b(" + "|".join(ACTORS + LOCATIONS + OBJECTS) + r")\b", re.IGNORECASE)
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|(?<=[.!?][\"'\u2019\u201d])\s+")
+
+
+# ----------------------------------------------------------------------------------------------
+# bAbI stories
+
+
+class _World:
+    """The bAbI world state: where each actor is, who holds what, every place each object has been."""
+
+    def __init__(self) -> None:
+        self.actor_location: dict[str, str] = {}
+        self.holder: dict[str, str | None] = dict.fromkeys(OBJECTS)
+        self.object_location: dict[str, str | None] = dict.fromkeys(OBJECTS)
+        self.object_history: dict[str, list[str]] = {obj: [] for obj in OBJECTS}
+
+    def _place(self, obj: str, location: str) -> None:
+        self.object_location[obj] = location
+        if not self.object_history[obj] or self.object_history[obj][-1] != location:
+            self.object_history[obj].append(location)
+
+    def move(self, actor: str, location: str) -> None:
+        self.actor_location[actor] = location
+        for obj, holder in self.holder.items():
+            if holder == actor:
+                self._place(obj, location)
+
+    def pick(self, actor: str, obj: str) -> None:
+        self.holder[obj] = actor
+        self._place(obj, self.actor_location[actor])
+
+    def drop(self, actor: str, obj: str) -> None:
+        self.holder[obj] = None
+
+    def can_pick(self, actor: str, obj: str) -> bool:
+        """An object can only be taken by someone standing where it lies (anywhere, before it was ever seen)."""
+        here = self.actor_location.get(actor)
+        return here is not None and self.holder[obj] is None and self.object_location[obj] in (None, here)
+
+
+def _story(task: str, rng: random.Random) -> tuple[list[str], str, str]:
+    """One bAbI story: (facts in story order, question, answer)."""
+    low, high = STORY_FACTS[task]
+    while True:  # rejection sampling: cheap, and keeps every valid story reachable
+        num_facts = rng.randint(low, high)
+        world, facts = _World(), []
+        for _ in range(num_facts):
+            facts.append(_random_fact(task, world, rng))
+        question = _random_question(task, world, rng)
+        if question is not None:
+            return facts, question[0], question[1]
+
+
+def _random_fact(task: str, world: _World, rng: random.Random) -> str:
+    picks = [(a, o) for a in ACTORS for o in OBJECTS if world.can_pick(a, o)] if task != "qa1" else []
+    drops = [(a, o) for o, a in world.holder.items() if a is not None]
+    roll = rng.random()
+    if picks and roll < 0.3:
+        actor, obj = rng.choice(picks)
+        world.pick(actor, obj)
+        return f"{actor} {rng.choice(PICK_VERBS)} the {obj} there."
+    if drops and roll > 0.8:
+        actor, obj = rng.choice(drops)
+        world.drop(actor, obj)
+        return f"{actor} {rng.choice(DROP_VERBS)} the {obj} there."
+    actor = rng.choice(ACTORS)
+    location = rng.choice([loc for loc in LOCATIONS if loc != world.actor_location.get(actor)])
+    world.move(actor, location)
+    return f"{actor} {rng.choice(MOVE_VERBS)} the {location}."
+
+
+def _random_question(task: str, world: _World, rng: random.Random) -> tuple[str, str] | None:
+    """(question, answer) about the final world, or None when the story cannot support one."""
+    if task == "qa1":
+        actor = rng.choice(sorted(world.actor_location))
+        return f"Where is {actor}? ", world.actor_location[actor]
+    if task == "qa2":
+        placed = [obj for obj in OBJECTS if world.object_location[obj] is not None]
+        if not placed:
+            return None
+        obj = rng.choice(placed)
+        return f"Where is the {obj}? ", world.object_location[obj]
+    travelled = [obj for obj in OBJECTS if len(world.object_history[obj]) >= 2]
+    if not travelled:
+        return None
+    obj = rng.choice(travelled)
+    history = world.object_history[obj]
+    later = rng.choice(sorted(set(history[1:])))
+    last_arrival = max(i for i in range(1, len(history)) if history[i] == later)
+    # "Before the kitchen" means before its latest arrival there: the latest relevant location.
+    return f"Where was the {obj} before the {later}? ", history[last_arrival - 1]
+
+
+# ----------------------------------------------------------------------------------------------
+# Haystacks
+
+_SUBJECTS = [
+    "the old sailor", "a tired merchant", "the young painter", "the village priest", "her elder brother",
+    "the schoolmaster", "a travelling musician", "the ferryman", "the baker's widow", "the captain",
+    "a stranger in a grey coat", "the twins", "the mayor", "the blacksmith", "an old woman", "the shepherd",
+    "the poet", "the clerk", "the miller", "a young soldier", "the doctor", "the innkeeper", "the fisherman",
+    "the librarian", "the weaver", "the carpenter", "a boy with a lantern", "the countess", "the tax collector",
+    "the lighthouse keeper", "his cousin from the coast", "the choir", "a pair of pilgrims", "the judge",
+]
+_VERBS = [
+    "repaired", "polished", "described", "admired", "sold", "bought", "examined", "forgot", "painted",
+    "carried", "hid", "wrapped", "mended", "weighed", "borrowed", "returned", "sketched", "praised",
+    "ignored", "cleaned", "inherited", "counted", "guarded", "studied",
+]
+_THINGS = [
+    "a wooden chest", "the brass lantern", "an old violin", "a bundle of letters", "the silver spoons",
+    "a torn sail", "the parish map", "a basket of pears", "the iron gate", "a leather saddle", "a jar of honey",
+    "the fishing nets", "a clay pot", "the heavy ledger", "a woollen scarf", "the copper kettle",
+    "a small portrait", "the broken clock", "a box of candles", "the ship's compass", "a coil of rope",
+    "the family bible", "a pair of boots", "the tin whistle",
+]
+_PLACES = [
+    "near the harbour", "by the mill", "at the market", "on the hill", "in the chapel", "beside the river",
+    "at the crossroads", "in the square", "under the bridge", "behind the tavern", "in the forest",
+    "at the station", "in the library", "on the ship", "in the barn", "by the lighthouse", "in the workshop",
+    "at the inn", "in the orchard", "in the cellar", "at the quay", "on the frozen lake", "in the town hall",
+]
+_TIMES = [
+    "in the morning", "late that evening", "before dawn", "at noon", "during the storm",
+    "on the first day of spring", "long after midnight", "that winter", "on sundays", "years later",
+    "after the harvest", "just before supper", "on the day of the fair", "in the dry season",
+]
+_MANNERS = [
+    "slowly", "without a word", "with great care", "in silence", "for hours", "as if nothing had happened",
+    "cheerfully", "with some reluctance", "twice", "more carefully than anyone expected", "in a hurry",
+]
+_INTRANSITIVE = ["waited", "sang", "laughed", "wept", "slept", "prayed", "argued", "wandered", "worked", "listened"]
+_SCENERY = [
+    "the wind rose over the rooftops", "rain fell on the empty streets", "the bells rang across the valley",
+    "the fog lifted from the water", "snow covered the roads", "the sun sank behind the hills",
+    "a dog barked somewhere in the distance", "the candles burned low", "the tide turned",
+    "the fire crackled in the hearth", "the crows gathered on the fence", "the clouds hung low and grey",
+]
+_TEMPLATES = [
+    "{Time}, {subject} {verb} {thing} {place}.",
+    "{Subject} {verb} {thing} {place}, and {scenery}.",
+    "{Place}, {subject} {verb} {thing}.",
+    "{Subject} said that {subject2} had {verb} {thing} {time}.",
+    "There was {thing} {place}, and {subject} {intransitive} beside it {manner}.",
+    "{Subject} {intransitive} {manner} {place} {time}.",
+    "Nobody knew why {subject} {verb} {thing}, but {scenery}.",
+    "{Subject} {verb} {thing}; meanwhile {scenery}.",
+    "When {scenery}, {subject} {intransitive} {place}.",
+    "{Time}, {subject} and {subject2} {intransitive} {manner}.",
+]
+
+
+def _capitalise(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def distractor_sentence(rng: random.Random) -> str:
+    """A sentence of plain narrative prose that never names an actor, object or location of the tasks.
+
+    The vocabulary is disjoint from the bAbI words by construction, so a haystack can never
+    contradict or answer a question; the templates and word lists combine into far more
+    sentences than a 1M-token haystack needs.
+    """
+    slots = {
+        "subject": rng.choice(_SUBJECTS), "subject2": rng.choice(_SUBJECTS), "verb": rng.choice(_VERBS),
+        "thing": rng.choice(_THINGS), "place": rng.choice(_PLACES), "time": rng.choice(_TIMES),
+        "manner": rng.choice(_MANNERS), "intransitive": rng.choice(_INTRANSITIVE), "scenery": rng.choice(_SCENERY),
+    }
+    slots.update({key.capitalize(): _capitalise(value) for key, value in list(slots.items())})
+    return rng.choice(_TEMPLATES).format(**slots)
+
+
+def split_sentences(text: str) -> list[str]:
+    """Sentences of free text (books wrap lines, so whitespace is normalised first)."""
+    return [s for s in _SENTENCE_END.split(" ".join(text.split())) if s]
+
+
+def read_haystack_sentences(haystack_files: Sequence[str | Path]) -> list[str]:
+    """Sentences of the user's text files, in file order, without any that names a task word.
+
+    Dropping sentences that mention e.g. "kitchen" or "Mary" keeps a book from contradicting the
+    story; everything else keeps its original order, as BABILong takes contiguous book text.
+    """
+    sentences: list[str] = []
+    for file in haystack_files:
+        path = Path(file)
+        if not path.is_file():
+            raise FileNotFoundError(f"haystack file {path} does not exist")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(f"haystack file {path} is not UTF-8 text: {error}") from error
+        sentences.extend(s for s in split_sentences(text) if not _TASK_WORDS.search(s))
+    if not sentences:
+        raise ValueError(
+            f"haystack files {[str(f) for f in haystack_files]} hold no sentence free of the task words"
+        )
+    return sentences
+
+
+def _token_counts(tokenizer, texts: list[str], leading_space: bool = True) -> list[int]:
+    """Token counts without special tokens; sentences are counted as they appear after another one.
+
+    The Rust backend is called directly: the Python wrapper's per-encoding conversion costs more
+    than the tokenisation itself for the many short sentences counted here.
+    """
+    prefix = " " if leading_space else ""
+    counts: list[int] = []
+    for start in range(0, len(texts), 4096):
+        batch = [prefix + text for text in texts[start : start + 4096]]
+        counts.extend(len(e.ids) for e in tokenizer.backend_tokenizer.encode_batch_fast(batch, add_special_tokens=False))
+    return counts
+
+
+def _row_random(task: str, length: int, seed: int, index: int) -> random.Random:
+    """Row ``index`` depends only on (task, length, seed, index), so any subset generates alone (num_proc)."""
+    return random.Random(f"titans_babilong:{task}:{length}:{seed}:{index}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Generation
+
+
+def generate_babilong(
+    task: str,
+    num_samples: int,
+    length: int,
+    tokenizer,
+    seed: int = 0,
+    haystack_files: Sequence[str | Path] | None = None,
+    row_indices: Sequence[int] | None = None,
+    show_progress: bool = False,
+) -> list[dict[str, str]]:
+    """Generate BABILong rows ``{"input", "question", "target"}``.
+
+    ``length`` is the size of ``input`` in tokens of ``tokenizer`` (no special tokens): at most
+    ``length`` and short of it by less than one haystack sentence; ``length=0`` gives the bare
+    story (BABILong's "0k"). Facts go, in story order, into uniformly random gaps between
+    haystack sentences; the haystack is contiguous text of ``haystack_files`` from a random
+    start, or built-in distractor prose. ``row_indices`` picks rows of the ``num_samples``-row
+    set (each row depends only on its index), which lets workers generate shards independently.
+    """
+    batches = iter_babilong_batches(
+        task, num_samples, length, tokenizer, seed, haystack_files, row_indices, show_progress=show_progress
+    )
+    return [row for batch in batches for row in batch]
+
+
+def iter_babilong_batches(
+    task: str,
+    num_samples: int,
+    length: int,
+    tokenizer,
+    seed: int = 0,
+    haystack_files: Sequence[str | Path] | None = None,
+    row_indices: Sequence[int] | None = None,
+    batch_size: int = 256,
+    show_progress: bool = False,
+) -> Iterator[list[dict[str, str]]]:
+    """``generate_babilong`` in batches of rows, so a large set never sits in memory at once.
+
+    The haystack (read and token-counted once) is shared by all batches: it costs more than
+    hundreds of short rows.
+    """
+    if task not in TASK_LABELS:
+        raise ValueError(f"task={task!r} is not one of {sorted(TASK_LABELS)}")
+    if not tokenizer.is_fast:
+        raise ValueError("generate_babilong needs a fast (Rust) tokenizer to count tokens quickly")
+    if num_samples < 1:
+        raise ValueError(f"num_samples={num_samples} must be at least 1")
+    if length < 0:
+        raise ValueError(f"length={length} must be >= 0 (0 = facts only)")
+    indices = list(range(num_samples)) if row_indices is None else list(row_indices)
+    bad = [i for i in indices if not 0 <= i < num_samples]
+    if bad:
+        raise ValueError(f"row_indices {bad[:5]} lie outside the {num_samples}-row set")
+
+    if haystack_files:
+        sentences = read_haystack_sentences(haystack_files)
+        contiguous = True
+    else:
+        # Enough distinct sentences that a row rarely repeats one, capped to keep start-up short.
+        pool_size = min(8192, max(512, num_samples * length // 12))
+        pool_random = random.Random(f"titans_babilong:pool:{seed}")
+        sentences = [distractor_sentence(pool_random) for _ in range(pool_size)]
+        contiguous = False
+    counts = _token_counts(tokenizer, sentences) if length > 0 else []
+    fact_counts: dict[str, int] = {}
+
+    progress = tqdm(total=len(indices), desc=f"generating {task} @ {length}", disable=not show_progress)
+    for batch_start in range(0, len(indices), batch_size):
+        rows, pieces_per_row = [], []
+        for index in indices[batch_start : batch_start + batch_size]:
+            rng = _row_random(task, length, seed, index)
+            facts, question, answer = _story(task, rng)
+            unknown = [f for f in facts if f not in fact_counts]
+            fact_counts.update(zip(unknown, _token_counts(tokenizer, unknown)))
+            budget = length - sum(fact_counts[f] for f in facts)
+            if length > 0 and budget < 0:
+                raise ValueError(
+                    f"length={length} is shorter than a {len(facts)}-fact {task} story "
+                    f"({length - budget} tokens); use length=0 for stories alone or a larger length"
+                )
+            haystack = _draw_haystack(sentences, counts, budget, contiguous, rng) if length > 0 else []
+            gaps = sorted(rng.choices(range(len(haystack) + 1), k=len(facts)))
+            pieces = _interleave(haystack, facts, gaps)
+            pieces_per_row.append(pieces)
+            rows.append({"input": " ".join(text for text, _ in pieces), "question": question, "target": answer})
+        if length > 0:
+            _trim_to_length(rows, pieces_per_row, tokenizer, length)
+        progress.update(len(rows))
+        yield rows
+    progress.close()
+
+
+def _draw_haystack(
+    sentences: list[str], counts: list[int], budget: int, contiguous: bool, rng: random.Random
+) -> list[str]:
+    """Haystack sentences until the next one would pass ``budget`` tokens.
+
+    Book text must stay contiguous, so it stops at the first sentence that does not fit; prose
+    drawn at random gets a few more draws to fill the gap left by a long sentence.
+    """
+    haystack: list[str] = []
+    position = rng.randrange(len(sentences))
+    used, misses = 0, 0
+    while misses <= (0 if contiguous else 16):
+        if not contiguous:
+            position = rng.randrange(len(sentences))
+        if used + counts[position] > budget:
+            misses += 1
+            continue
+        haystack.append(sentences[position])
+        used += counts[position]
+        position = (position + 1) % len(sentences)
+    return haystack
+
+
+def _interleave(haystack: list[str], facts: list[str], gaps: list[int]) -> list[tuple[str, bool]]:
+    """Haystack with fact k placed before haystack sentence ``gaps[k]``; (text, is_fact) pieces."""
+    pieces: list[tuple[str, bool]] = []
+    fact_index = 0
+    for position in range(len(haystack) + 1):
+        while fact_index < len(facts) and gaps[fact_index] == position:
+            pieces.append((facts[fact_index], True))
+            fact_index += 1
+        if position < len(haystack):
+            pieces.append((haystack[position], False))
+    return pieces
+
+
+def _trim_to_length(rows: list[dict], pieces_per_row: list[list], tokenizer, length: int) -> None:
+    """Measure each input as one text and drop its last haystack sentences while it is too long.
+
+    Per-sentence counts add up exactly for byte-level BPE; other tokenizers can merge across a
+    sentence boundary, so the joined text is what decides.
+    """
+    pending = list(range(len(rows)))
+    while pending:
+        lengths = _token_counts(tokenizer, [rows[i]["input"] for i in pending], leading_space=False)
+        too_long = []
+        for i, measured in zip(pending, lengths):
+            if measured <= length:
+                continue
+            pieces = pieces_per_row[i]
+            last_haystack = max((k for k, (_, is_fact) in enumerate(pieces) if not is_fact), default=None)
+            if last_haystack is None:
+                raise ValueError(f"the story alone of row {i} is {measured} tokens, over length={length}")
+            del pieces[last_haystack]
+            rows[i]["input"] = " ".join(text for text, _ in pieces)
+            too_long.append(i)
+        pending = too_long
+
+
+# ----------------------------------------------------------------------------------------------
+# BABILong JSON
+
+
+def read_babilong_json(path: str | Path) -> list[dict[str, str]]:
+    """Rows of a BABILong file: a JSON list (the public files) or JSON Lines.
+
+    Extra fields of the public files are dropped; a row missing a field, with a non-string
+    field or an empty target is an error naming the file and row, never silently skipped.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"BABILong file {path} does not exist")
+    text = path.read_text(encoding="utf-8")
+    try:
+        if text.lstrip().startswith("["):
+            records = json.loads(text)
+        else:
+            records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError as error:
+        raise ValueError(f"BABILong file {path} is not valid JSON or JSON Lines: {error}") from error
+    rows = []
+    for index, record in enumerate(records):
+        where = f"BABILong file {path}, row {index} (0-based)"
+        if not isinstance(record, dict):
+            raise ValueError(f"{where}: expected an object with {list(REQUIRED_FIELDS)}, got {type(record).__name__}")
+        missing = [field for field in REQUIRED_FIELDS if field not in record]
+        if missing:
+            raise ValueError(f"{where}: missing field(s) {missing}")
+        wrong = [field for field in REQUIRED_FIELDS if not isinstance(record[field], str)]
+        if wrong:
+            raise ValueError(f"{where}: field(s) {wrong} must be strings")
+        if not record["target"].strip():
+            raise ValueError(f"{where}: empty target")
+        rows.append({field: record[field] for field in REQUIRED_FIELDS})
+    if not rows:
+        raise ValueError(f"BABILong file {path} holds no rows")
+    return rows
+
+
+def write_babilong_json(rows: Sequence[dict[str, str]], path: str | Path) -> Path:
+    """Write rows as a JSON list (the public layout) through a temporary name, so a partial file never looks done."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = [{field: row[field] for field in REQUIRED_FIELDS} for row in rows]
+    _atomic_write_text(path, json.dumps(payload, ensure_ascii=False, indent=1))
+    return path
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as file:
+            file.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+
+
+DATASET_CARD_TEMPLATE = Path(__file__).resolve().parent.parent / "hub_cards" / "babilong_dataset_card.md"
+
+
+def render_dataset_card(settings: dict[str, Any]) -> str:
+    """The dataset card of a generated set: how to regenerate it and what its rows mean.
+
+    ``settings`` holds task, length, num_samples, seed, tokenizer, haystack_files (list) and files.
+    """
+    from huggingface_hub import DatasetCard, DatasetCardData
+
+    card_data = DatasetCardData(
+        language="en", license="apache-2.0", pretty_name=f"Generated BABILong {settings['task']}",
+        task_categories=["question-answering"], tags=["babilong", "long-context", "titans_hf", "synthetic"],
+    )
+    card = DatasetCard.from_template(card_data, template_path=str(DATASET_CARD_TEMPLATE), **settings)
+    return str(card)
+
+
+def write_dataset_card(json_path: str | Path, settings: dict[str, Any]) -> Path:
+    """Render the card as README.md in the folder of a generated JSON file (temporary name, then rename)."""
+    card_path = Path(json_path).parent / "README.md"
+    _atomic_write_text(card_path, render_dataset_card(settings))
+    return card_path
+
+
+# ----------------------------------------------------------------------------------------------
+# Example assembly, split, scoring
+
+
+def resolve_pad_token_id(tokenizer) -> int:
+    """Pad id, falling back to EOS as the seed pipeline does for tokenizers without a pad token."""
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad_id is None:
+        raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has neither a pad nor an EOS token")
+    return pad_id
+
+
+def build_example(
+    row: dict[str, str],
+    tokenizer,
+    max_length: int,
+    answer_reserve_tokens: int,
+    pad_to_max_length: bool = True,
+) -> dict[str, Any]:
+    """Tokenise one row for training: prompt, then the answer as the only labelled tokens.
+
+    The prompt is cut to ``max_length - answer_reserve_tokens`` by dropping the *start* of the
+    haystack: the question and "Answer:" always survive, and the latest facts (those that decide
+    a "where is" answer) stay. Rows are right-padded to exactly ``max_length`` so every rank runs
+    the same number of chunks; ``pad_to_max_length=False`` leaves them unpadded for a collator that
+    pads to a multiple of the chunk size (length curricula).
+    """
+    if not tokenizer.is_fast:
+        raise ValueError("build_example needs a fast tokenizer (it locates the question by character offsets)")
+    if not 1 <= answer_reserve_tokens < max_length:
+        raise ValueError(
+            f"answer_reserve_tokens={answer_reserve_tokens} must be >= 1 and below max_length={max_length}"
+        )
+    prompt = PROMPT_TEMPLATE.format(input=row["input"], question=row["question"])
+    backend = tokenizer.backend_tokenizer
+    encoding = backend.encode(prompt, add_special_tokens=True)
+    ids, special = encoding.ids, encoding.special_tokens_mask
+    num_prefix = next((i for i, is_special in enumerate(special) if not is_special), len(ids))
+    # The first token touching the text after `input` starts the tail that must survive.
+    tail_start = None
+    for char in range(len(row["input"]), len(prompt)):
+        tail_start = encoding.char_to_token(char)
+        if tail_start is not None:
+            break
+    prompt_budget = max_length - answer_reserve_tokens
+    keep = prompt_budget - num_prefix - (len(ids) - tail_start)
+    if keep < 0:
+        raise ValueError(
+            f"question {row['question']!r} needs {len(ids) - tail_start + num_prefix} tokens, more than "
+            f"max_length - answer_reserve_tokens = {prompt_budget}"
+        )
+    if tail_start - num_prefix > keep:
+        ids = ids[:num_prefix] + ids[tail_start - keep : tail_start] + ids[tail_start:]
+    answer_ids = backend.encode(" " + row["target"], add_special_tokens=False).ids
+    answer_ids = answer_ids[: max_length - len(ids)]
+    prompt_length = len(ids)
+    input_ids = ids + answer_ids
+    labels = [-100] * prompt_length + answer_ids
+    attention_mask = [1] * len(input_ids)
+    if pad_to_max_length:
+        padding = max_length - len(input_ids)
+        input_ids = input_ids + [resolve_pad_token_id(tokenizer)] * padding
+        labels = labels + [-100] * padding
+        attention_mask = attention_mask + [0] * padding
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "labels": labels,
+        "target": row["target"],
+        "prompt_length": prompt_length,
+    }
+
+
+def train_eval_split(num_rows: int, train_ratio: float = 0.9, seed: int = 0) -> tuple[list[int], list[int]]:
+    """Row indices of a seeded train/eval split, as ``torch.utils.data.random_split`` draws it."""
+    if not 0 < train_ratio < 1:
+        raise ValueError(f"train_ratio={train_ratio} must lie strictly between 0 and 1")
+    train_size = int(num_rows * train_ratio)
+    if train_size == 0 or train_size == num_rows:
+        raise ValueError(f"train_ratio={train_ratio} of {num_rows} rows leaves an empty train or eval split")
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed)).tolist()
+    return order[:train_size], order[train_size:]
+
+
+def _first_word(text: str) -> str:
+    words = text.strip().split()
+    return words[0].strip(".,;:!?\"'()").lower() if words else ""
+
+
+def score_exact_match(prediction: str, target: str) -> bool:
+    """The first generated word, without punctuation and case, equals the target (fine-tuned systems' metric)."""
+    return _first_word(prediction) == target.strip().lower()
+
+
+def score_label_substring(prediction: str, target: str, labels: Sequence[str], question: str = "") -> bool:
+    """BABILong's scoring: right when the target is the only task label in the output.
+
+    Labels named in the question (QA3's "before the kitchen") are not counted, as in BABILong.
+    """
+    output, question = prediction.lower(), question.lower()
+    mentioned = {label.lower() for label in labels if label.lower() in output and label.lower() not in question}
+    return mentioned == {target.strip().lower()}
+
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line: titans-hf babilong generate
+
+
+def add_babilong_parser(subcommands) -> None:
+    """``titans-hf babilong generate``: write a generated set as BABILong JSON (and optionally its card)."""
+    parser = subcommands.add_parser("babilong", help="BABILong data tools")
+    actions = parser.add_subparsers(dest="babilong_command", required=True)
+    generate = actions.add_parser(
+        "generate",
+        help="generate BABILong QA1/QA2/QA3 rows offline and write them as BABILong JSON",
+        description="Generate bAbI stories hidden in a haystack of LENGTH tokens of TOKENIZER; "
+        "the same arguments always give the same file.",
+    )
+    generate.add_argument("--task", required=True, choices=sorted(TASK_LABELS))
+    generate.add_argument("--length", required=True, type=int, help="tokens of `input` (0 = the story alone)")
+    generate.add_argument("--num-samples", required=True, type=int)
+    generate.add_argument("--tokenizer", required=True, help="tokenizer name or path that counts the length")
+    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--haystack", nargs="+", default=None, help="text files (e.g. PG19 books) for the haystack")
+    generate.add_argument("--output", required=True, help="JSON file to write, e.g. data/qa1/4k.json")
+    generate.add_argument("--card", action="store_true", help="also write a dataset card README.md beside it")
+    generate.set_defaults(func=_generate_command)
+
+
+def _generate_command(args) -> int:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    rows = generate_babilong(
+        args.task, args.num_samples, args.length, tokenizer, args.seed, args.haystack, show_progress=True
+    )
+    output = write_babilong_json(rows, args.output)
+    if args.card:
+        settings = {
+            "task": args.task, "length": args.length, "num_samples": args.num_samples, "seed": args.seed,
+            "tokenizer": args.tokenizer, "haystack_files": args.haystack or [], "files": output.name,
+        }
+        write_dataset_card(output, settings)
+    print(output)
+    return 0
