@@ -1,0 +1,106 @@
+"""One training step of TitansQwen (frozen base, memory trainable) under raw FSDP2 `fully_shard`, two gloo CPU
+processes, against the same step taken by one process on both halves of the batch.
+
+FSDP through accelerate/Trainer on CPU silently becomes DDP (NOTES.md), so the sharded path is exercised directly.
+This file is also the worker script: `python test_fsdp.py RANK WORLD PORT MODEL_DIR OUT_DIR`.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+CHUNKED = dict(chunk_size=8, memory_chunk_size=4, memory_num_heads=2, memory_head_dim=16, memory_layers=[0, 1])
+LEARNING_RATE = 0.5
+
+
+def build(model_dir):
+    from titans_hf.modeling import TitansQwenForCausalLM
+
+    torch.manual_seed(0)
+    model = TitansQwenForCausalLM.from_base(model_dir, **CHUNKED)
+    with torch.no_grad():
+        for block in model.memory.values():
+            block.output_weight.normal_(std=0.5)  # so every memory parameter gets a gradient on the first step
+    return model.train()
+
+
+def batch(rank: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(1, vocab, (2, 20), generator=torch.Generator().manual_seed(100 + rank))
+    labels = ids.clone()
+    labels[:, : 4 + 3 * rank] = -100  # ranks hold different numbers of labelled tokens
+    return ids, labels
+
+
+def worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    model = build(model_dir)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(trainable, lr=LEARNING_RATE)
+    ids, labels = batch(rank, model.config.text_config.vocab_size)
+    loss = model(ids, labels=labels).loss
+    loss.backward()
+    frozen_grads = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
+    optimizer.step()
+    full = {n: p.full_tensor().detach().contiguous() for n, p in model.named_parameters()}
+    losses = [None] * world
+    dist.all_gather_object(losses, loss.item())
+    if rank == 0:
+        save_file(full, os.path.join(out_dir, "params.safetensors"))
+        Path(out_dir, "result.json").write_text(json.dumps({"losses": losses, "frozen_grads": frozen_grads}))
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_fsdp2_training_step_matches_single_process(tmp_path, tiny_qwen3_dir):
+    from safetensors.torch import load_file
+
+    port, env = free_port(), {**os.environ, "OMP_NUM_THREADS": "1"}
+    workers = [
+        subprocess.Popen([sys.executable, __file__, str(rank), "2", str(port), str(tiny_qwen3_dir), str(tmp_path)],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank in range(2)
+    ]
+    outputs = [w.communicate()[0] for w in workers]
+    assert [w.returncode for w in workers] == [0, 0], "\n".join(outputs)[-4000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    sharded = load_file(str(tmp_path / "params.safetensors"))
+
+    # reference: FSDP averages gradients over ranks, i.e. the gradient of the mean of the two ranks' losses
+    model = build(tiny_qwen3_dir)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    vocab = model.config.text_config.vocab_size
+    losses = [model(*batch(rank, vocab)[:1], labels=batch(rank, vocab)[1]).loss for rank in range(2)]
+    torch.testing.assert_close(torch.tensor([l.item() for l in losses]), torch.tensor(result["losses"]),
+                               atol=1e-5, rtol=1e-5)
+    ((losses[0] + losses[1]) / 2).backward()
+    torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE).step()
+
+    assert result["frozen_grads"] == []
+    assert sharded.keys() == {n for n, _ in model.named_parameters()}
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(sharded[name], param.detach(), atol=1e-5, rtol=1e-4, msg=name)
+        if name.startswith(("model.", "lm_head.")):
+            assert torch.equal(sharded[name], before[name]), f"frozen {name} changed"
+        else:
+            assert not torch.equal(sharded[name], before[name]), f"trainable {name} did not move"
+
+
+if __name__ == "__main__":
+    worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
