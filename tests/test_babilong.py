@@ -131,16 +131,16 @@ def test_length_zero_is_the_story_alone(tokenizer):
 
 
 def test_same_seed_same_rows_other_seed_other_rows(tokenizer):
-    first = generate_babilong("qa3", 12, 150, tokenizer, seed=5)
-    assert generate_babilong("qa3", 12, 150, tokenizer, seed=5) == first
-    other = generate_babilong("qa3", 12, 150, tokenizer, seed=6)
+    first = generate_babilong("qa3", 12, 250, tokenizer, seed=5)
+    assert generate_babilong("qa3", 12, 250, tokenizer, seed=5) == first
+    other = generate_babilong("qa3", 12, 250, tokenizer, seed=6)
     assert all(a != b for a, b in zip(first, other))
     # Any subset of rows generates alone (how builder workers split the work).
-    assert generate_babilong("qa3", 12, 150, tokenizer, seed=5, row_indices=[7, 2]) == [first[7], first[2]]
+    assert generate_babilong("qa3", 12, 250, tokenizer, seed=5, row_indices=[7, 2]) == [first[7], first[2]]
 
 
 def test_story_longer_than_length_is_an_error(tokenizer):
-    with pytest.raises(ValueError, match="length=5 is shorter than"):
+    with pytest.raises(ValueError, match=r"length=5 is shorter than the longest qa1 story \(\d+ tokens"):
         generate_babilong("qa1", 3, 5, tokenizer)
     with pytest.raises(ValueError, match="task='qa9'"):
         generate_babilong("qa9", 3, 100, tokenizer)
@@ -317,3 +317,14 @@ def test_dataset_card_names_the_settings(tmp_path):
     assert card == tmp_path / "README.md" and text.startswith("---\n")
     assert "--task qa2 --length 4096 --num-samples 1" in text and "--seed 7 --tokenizer tok --haystack pg19/book.txt" in text
     assert "Files: 4k.json" in text and "{{" not in text
+
+
+def test_cli_generate_writes_the_generator_rows_and_card(tmp_path, tiny_tokenizer_dir, tokenizer):
+    from titans_hf.cli import main
+
+    output = tmp_path / "qa2" / "300.json"
+    argv = ["babilong", "generate", "--task", "qa2", "--length", "300", "--num-samples", "5", "--seed", "4",
+            "--tokenizer", str(tiny_tokenizer_dir), "--output", str(output), "--card"]
+    assert main(argv) == 0
+    assert json.loads(output.read_text()) == generate_babilong("qa2", 5, 300, tokenizer, seed=4)
+    assert "--task qa2 --length 300 --num-samples 5" in (output.parent / "README.md").read_text()

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from titans_hf.data.babilong import add_babilong_parser
 from titans_hf.data.prepare import add_prepare_parser
 
 
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Each subcommand module adds its parser here and sets `func` (a callable taking the Namespace).
     add_push_parser(subcommands)
     add_prepare_parser(subcommands)
+    add_babilong_parser(subcommands)
     return parser
 
 

@@ -15,6 +15,7 @@ from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
 
 BUILDER_MODULES: dict[str, str] = {
     "titans_tokens": "titans_hf.data.tokens_builder",
+    "titans_babilong": "titans_hf.data.babilong_builder",
 }
 
 

@@ -106,6 +106,14 @@ def _random_fact(task: str, world: _World, rng: random.Random) -> str:
     return f"{actor} {rng.choice(MOVE_VERBS)} the {location}."
 
 
+def _all_facts(task: str) -> list[str]:
+    """Every fact sentence a story of ``task`` can contain."""
+    facts = [f"{a} {verb} the {loc}." for a in ACTORS for verb in MOVE_VERBS for loc in LOCATIONS]
+    if task != "qa1":
+        facts += [f"{a} {verb} the {obj} there." for a in ACTORS for verb in PICK_VERBS + DROP_VERBS for obj in OBJECTS]
+    return facts
+
+
 def _random_question(task: str, world: _World, rng: random.Random) -> tuple[str, str] | None:
     """(question, answer) about the final world, or None when the story cannot support one."""
     if task == "qa1":
@@ -322,7 +330,14 @@ def iter_babilong_batches(
         sentences = [distractor_sentence(pool_random) for _ in range(pool_size)]
         contiguous = False
     counts = _token_counts(tokenizer, sentences) if length > 0 else []
-    fact_counts: dict[str, int] = {}
+    all_facts = _all_facts(task)
+    fact_counts = dict(zip(all_facts, _token_counts(tokenizer, all_facts)))
+    longest_story = STORY_FACTS[task][1] * max(fact_counts.values())
+    if 0 < length < longest_story:
+        raise ValueError(
+            f"length={length} is shorter than the longest {task} story ({longest_story} tokens of this "
+            "tokenizer); use length=0 for stories alone or a larger length"
+        )
 
     progress = tqdm(total=len(indices), desc=f"generating {task} @ {length}", disable=not show_progress)
     for batch_start in range(0, len(indices), batch_size):
@@ -330,14 +345,7 @@ def iter_babilong_batches(
         for index in indices[batch_start : batch_start + batch_size]:
             rng = _row_random(task, length, seed, index)
             facts, question, answer = _story(task, rng)
-            unknown = [f for f in facts if f not in fact_counts]
-            fact_counts.update(zip(unknown, _token_counts(tokenizer, unknown)))
             budget = length - sum(fact_counts[f] for f in facts)
-            if length > 0 and budget < 0:
-                raise ValueError(
-                    f"length={length} is shorter than a {len(facts)}-fact {task} story "
-                    f"({length - budget} tokens); use length=0 for stories alone or a larger length"
-                )
             haystack = _draw_haystack(sentences, counts, budget, contiguous, rng) if length > 0 else []
             gaps = sorted(rng.choices(range(len(haystack) + 1), k=len(facts)))
             pieces = _interleave(haystack, facts, gaps)
