@@ -148,8 +148,8 @@ _SUBJECTS = [
     "the lighthouse keeper", "his cousin from the coast", "the choir", "a pair of pilgrims", "the judge",
 ]
 _VERBS = [
-    "repaired", "polished", "described", "admired", "sold", "bought", "examined", "forgot", "painted",
-    "carried", "hid", "wrapped", "mended", "weighed", "borrowed", "returned", "sketched", "praised",
+    "repaired", "polished", "described", "admired", "sold", "bought", "examined", "kept", "painted",
+    "carried", "found", "wrapped", "mended", "weighed", "borrowed", "returned", "sketched", "praised",
     "ignored", "cleaned", "inherited", "counted", "guarded", "studied",
 ]
 _THINGS = [
