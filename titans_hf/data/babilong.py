@@ -66,8 +66,8 @@ class _World:
         self.holder[obj] = actor
         self._place(obj, self.actor_location[actor])
 
-    def drop(self, actor: str, obj: str) -> None:
-        self.holder[obj] = None
+    def drop(self, obj: str) -> None:
+        self.holder[obj] = None  # it stays where it was, which is already recorded
 
     def can_pick(self, actor: str, obj: str) -> bool:
         """An object can only be taken by someone standing where it lies (anywhere, before it was ever seen)."""
@@ -98,7 +98,7 @@ def _random_fact(task: str, world: _World, rng: random.Random) -> str:
         return f"{actor} {rng.choice(PICK_VERBS)} the {obj} there."
     if drops and roll > 0.8:
         actor, obj = rng.choice(drops)
-        world.drop(actor, obj)
+        world.drop(obj)
         return f"{actor} {rng.choice(DROP_VERBS)} the {obj} there."
     actor = rng.choice(ACTORS)
     location = rng.choice([loc for loc in LOCATIONS if loc != world.actor_location.get(actor)])
