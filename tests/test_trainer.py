@@ -1,0 +1,373 @@
+"""TitansTrainer: memory-only checkpoints, exact resume, curriculum, logging, atomic checkpoint writes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+
+import datasets
+import pytest
+import safetensors.torch
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
+
+from titans_hf.data.collator import TitansDataCollator
+from titans_hf.modeling import TitansQwenForCausalLM
+from titans_hf.training.trainer import (
+    MEMORY_CONFIG_NAME,
+    MEMORY_WEIGHTS_NAME,
+    ChunkCurriculumSampler,
+    TitansTrainer,
+    TitansTrainingArguments,
+    count_chunks,
+)
+
+STEPS_PER_EPOCH = 3  # 6 rows, batch 1, gradient accumulation 2
+ANSWER_TOKENS = 4
+
+
+def memory_model(model_dir) -> TitansQwenForCausalLM:
+    """A TitansQwen on the tiny base (chunks of 16 tokens, memory updated every 8), same memory init every call."""
+    torch.manual_seed(0)
+    return TitansQwenForCausalLM.from_base(
+        model_dir, chunk_size=16, memory_chunk_size=8, memory_head_dim=16, checkpoint_chunks=False
+    )
+
+
+def frozen_base_model(model_dir) -> torch.nn.Module:
+    """A plain Qwen frozen except its last MLP: the trainer needs nothing of TitansQwen but requires_grad."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.requires_grad_(False)
+    model.model.layers[-1].mlp.requires_grad_(True)
+    return model
+
+
+def trainable_weights(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def make_rows(lengths, vocab_size: int, seed: int = 0) -> datasets.Dataset:
+    """Unpadded rows whose last ANSWER_TOKENS tokens carry the loss, like BABILong answers."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = {"input_ids": [], "attention_mask": [], "labels": []}
+    for length in lengths:
+        ids = torch.randint(1, vocab_size, (length,), generator=generator).tolist()
+        rows["input_ids"].append(ids)
+        rows["attention_mask"].append([1] * length)
+        rows["labels"].append([-100] * (length - ANSWER_TOKENS) + ids[-ANSWER_TOKENS:])
+    return datasets.Dataset.from_dict(rows)
+
+
+def make_args(output_dir, **overrides) -> TitansTrainingArguments:
+    settings = dict(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=2,
+        num_train_epochs=2,
+        learning_rate=1e-2,
+        lr_scheduler_type="linear",
+        save_strategy="steps",
+        save_steps=1,
+        log_every_batches=None,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
+    settings.update(overrides)
+    return TitansTrainingArguments(**settings)
+
+
+class StopAtStep(TrainerCallback):
+    """Simulates a job killed right after the checkpoint of step `step` was written."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def make_trainer(
+    model_dir, output_dir, dataset, collator=None, callbacks=None, model=None, **overrides
+) -> TitansTrainer:
+    """A TitansTrainer whose collator (pad id from the tokenizer, chunk size from the config) it builds itself."""
+    return TitansTrainer(
+        model=model if model is not None else memory_model(model_dir),
+        args=make_args(output_dir, **overrides),
+        train_dataset=dataset,
+        data_collator=collator,
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+        callbacks=callbacks,
+    )
+
+
+@pytest.fixture(scope="module")
+def rows(tiny_qwen3_dir):
+    vocab_size = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir).config.vocab_size
+    return make_rows([16, 32, 16, 48, 32, 16], vocab_size)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_qwen3_dir, rows, tmp_path_factory):
+    """Final weights of one run of 2 epochs without a stop, per curriculum setting."""
+    results = {}
+    for curriculum in (None, [1, 3]):
+        trainer = make_trainer(
+            tiny_qwen3_dir, tmp_path_factory.mktemp("full"), rows, save_strategy="no", curriculum_chunks=curriculum
+        )
+        trainer.train()
+        assert trainer.state.global_step == 2 * STEPS_PER_EPOCH
+        results[str(curriculum)] = trainable_weights(trainer.model)
+    return results
+
+
+# ---- arguments ----
+
+
+@pytest.mark.parametrize(
+    "log_every_batches, accumulation, expected", [(80, 8, 10), (80, 3, 27), (5, 8, 1), (1, 1, 1), (81, 8, 11)]
+)
+def test_log_every_batches_sets_logging_steps(tmp_path, log_every_batches, accumulation, expected):
+    args = TitansTrainingArguments(
+        output_dir=str(tmp_path), log_every_batches=log_every_batches, gradient_accumulation_steps=accumulation
+    )
+    assert args.logging_steps == expected == math.ceil(log_every_batches / accumulation)
+    assert args.logging_strategy == "steps"
+
+
+def test_seed_recipe_defaults_and_explicit_logging_steps(tmp_path):
+    args = TitansTrainingArguments(output_dir=str(tmp_path))
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.log_every_batches) == (1, 8, 80)
+    assert args.logging_steps == 10
+    assert TitansTrainingArguments(output_dir=str(tmp_path), log_every_batches=None, logging_steps=7).logging_steps == 7
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"log_every_batches": 0}, "log_every_batches"),
+        ({"curriculum_chunks": [2, 2]}, "curriculum_chunks"),
+        ({"curriculum_chunks": [0, 1]}, "curriculum_chunks"),
+        ({"curriculum_epochs_per_stage": 0}, "curriculum_epochs_per_stage"),
+        ({"push_to_hub": True}, "titans-hf push"),
+    ],
+)
+def test_bad_arguments_raise(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        TitansTrainingArguments(output_dir=str(tmp_path), **overrides)
+
+
+# ---- curriculum ----
+
+
+def test_curriculum_sampler_stages_and_determinism():
+    counts = [1, 2, 1, 3, 2, 1]
+    sampler = ChunkCurriculumSampler(counts, stages=[1, 2, 3], epochs_per_stage=2, seed=5)
+    orders = {}
+    for epoch in range(7):
+        sampler.set_epoch(epoch)
+        orders[epoch] = list(sampler)
+        assert len(orders[epoch]) == len(sampler) == 6
+    # epochs 0-1: only the 1-chunk rows {0, 2, 5}, each exactly twice (two reshuffled rounds)
+    for epoch in (0, 1):
+        assert sorted(orders[epoch]) == [0, 0, 2, 2, 5, 5]
+        assert sorted(orders[epoch][:3]) == [0, 2, 5]
+    # epochs 2-3: rows of <= 2 chunks {0, 1, 2, 4, 5}: one full round then one more row
+    for epoch in (2, 3):
+        assert sorted(orders[epoch][:5]) == [0, 1, 2, 4, 5] and orders[epoch][5] in (0, 1, 2, 4, 5)
+    # epochs >= 4: the last stage stays: every row once
+    for epoch in (4, 5, 6):
+        assert sorted(orders[epoch]) == list(range(6))
+    assert orders[4] != orders[5]
+    # same (seed, epoch), same order, also through state_dict
+    restored = ChunkCurriculumSampler(counts, stages=[1, 2, 3], epochs_per_stage=2, seed=0)
+    sampler.set_epoch(3)
+    restored.load_state_dict(json.loads(json.dumps(sampler.state_dict())))
+    assert list(restored) == orders[3]
+
+
+def test_curriculum_sampler_rejects_bad_input():
+    with pytest.raises(ValueError, match="<= 1 chunks has no training row"):
+        ChunkCurriculumSampler([2, 3], stages=[1, 3])
+    sampler = ChunkCurriculumSampler([1, 2], stages=[1, 2])
+    with pytest.raises(ValueError, match="differs"):
+        sampler.load_state_dict({"seed": 0, "epoch": 0, "stages": [1, 4], "epochs_per_stage": 1, "num_rows": 2})
+
+
+def test_count_chunks_uses_real_tokens_only():
+    dataset = datasets.Dataset.from_dict(
+        {"attention_mask": [[1] * 16, [1] * 17, [1] * 5 + [0] * 27, [1] * 48 + [0] * 16]}
+    )
+    assert count_chunks(dataset, 16) == [1, 2, 1, 3]
+    assert count_chunks(list(dataset), 16) == [1, 2, 1, 3]
+
+
+def test_curriculum_trains_short_rows_first(tiny_qwen3_dir, rows, tmp_path):
+    widths = []
+    collator = TitansDataCollator(pad_token_id=0, chunk_size=16)
+
+    class RecordingCollator:
+        chunk_size = 16
+
+        def __call__(self, features):
+            batch = collator(features)
+            widths.append(batch["input_ids"].shape[1])
+            return batch
+
+    trainer = make_trainer(
+        tiny_qwen3_dir, tmp_path, rows, collator=RecordingCollator(), save_strategy="no", curriculum_chunks=[1, 3]
+    )
+    trainer.train()
+    per_epoch = 2 * STEPS_PER_EPOCH
+    assert widths[:per_epoch] == [16] * per_epoch  # epoch 0: the three 1-chunk rows, twice
+    assert sorted(widths[per_epoch:]) == [16, 16, 16, 32, 32, 48]  # epoch 1: every row once
+
+
+# ---- checkpoints ----
+
+
+CHECKPOINT_FILES = [
+    "optimizer.pt",
+    "rng_state.pth",
+    "sampler_state.json",
+    "scheduler.pt",
+    "trainer_state.json",
+    "training_args.json",
+]
+
+
+def test_checkpoint_holds_only_the_memory(tiny_qwen3_dir, rows, tmp_path):
+    trainer = make_trainer(tiny_qwen3_dir, tmp_path, rows, max_steps=2)
+    trainer.train()
+    checkpoint = tmp_path / "checkpoint-2"
+    assert sorted(os.listdir(checkpoint)) == sorted(CHECKPOINT_FILES + [MEMORY_CONFIG_NAME, MEMORY_WEIGHTS_NAME])
+    saved = safetensors.torch.load_file(checkpoint / MEMORY_WEIGHTS_NAME)
+    memory = trainer.model.trainable_memory_state_dict()
+    assert sorted(saved) == sorted(memory) == sorted(trainable_weights(trainer.model))
+    assert not [name for name in saved if name.startswith(("model.", "lm_head."))]
+    assert all(torch.equal(saved[name], memory[name]) for name in memory)
+    assert json.loads((checkpoint / "sampler_state.json").read_text())["epoch"] == 0
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-1", "checkpoint-2"]
+    # a checkpoint is a save_memory folder: it loads back onto the base
+    reloaded = TitansQwenForCausalLM.from_base_and_memory(tiny_qwen3_dir, checkpoint)
+    assert all(torch.equal(reloaded.trainable_memory_state_dict()[n], w) for n, w in memory.items())
+
+
+def test_checkpoint_of_any_frozen_base_model_holds_its_trainable_weights(tiny_qwen3_dir, rows, tmp_path):
+    model = frozen_base_model(tiny_qwen3_dir)
+    collator = TitansDataCollator(pad_token_id=0, chunk_size=16)
+    trainer = make_trainer(tiny_qwen3_dir, tmp_path, rows, collator=collator, model=model, max_steps=1)
+    trainer.train()
+    checkpoint = tmp_path / "checkpoint-1"
+    assert sorted(os.listdir(checkpoint)) == sorted(CHECKPOINT_FILES + [MEMORY_WEIGHTS_NAME])
+    saved = safetensors.torch.load_file(checkpoint / MEMORY_WEIGHTS_NAME)
+    assert sorted(saved) == [
+        "model.layers.1.mlp.down_proj.weight",
+        "model.layers.1.mlp.gate_proj.weight",
+        "model.layers.1.mlp.up_proj.weight",
+    ]
+    assert all(torch.equal(saved[n], w) for n, w in trainable_weights(model).items())
+
+
+@pytest.mark.parametrize(
+    "stop_step, curriculum",
+    [(2, None), (4, None), (5, [1, 3])],
+    ids=["epoch0", "epoch1", "epoch1-curriculum"],
+)
+def test_resume_is_bitwise_exact(tiny_qwen3_dir, rows, uninterrupted, tmp_path, stop_step, curriculum):
+    first = make_trainer(
+        tiny_qwen3_dir, tmp_path, rows, callbacks=[StopAtStep(stop_step)], curriculum_chunks=curriculum
+    )
+    first.train()
+    assert first.state.global_step == stop_step
+    interrupted = trainable_weights(first.model)
+    assert not all(torch.equal(interrupted[n], w) for n, w in uninterrupted[str(curriculum)].items())
+
+    resumed = make_trainer(tiny_qwen3_dir, tmp_path, rows, curriculum_chunks=curriculum)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 2 * STEPS_PER_EPOCH
+    final = trainable_weights(resumed.model)
+    for name, weight in uninterrupted[str(curriculum)].items():
+        assert torch.equal(final[name], weight), name
+
+
+def test_resume_loads_memory_weights_and_optimizer(tiny_qwen3_dir, rows, tmp_path):
+    first = make_trainer(tiny_qwen3_dir, tmp_path, rows, max_steps=2)
+    first.train()
+    fresh = make_trainer(tiny_qwen3_dir, tmp_path, rows, max_steps=2)
+    assert not all(torch.equal(trainable_weights(fresh.model)[n], w) for n, w in trainable_weights(first.model).items())
+    fresh._load_from_checkpoint(str(tmp_path / "checkpoint-2"))
+    for name, weight in trainable_weights(first.model).items():
+        assert torch.equal(trainable_weights(fresh.model)[name], weight)
+
+
+def test_loading_a_folder_without_memory_weights_fails_clearly(tiny_qwen3_dir, rows, tmp_path):
+    trainer = make_trainer(tiny_qwen3_dir, tmp_path, rows)
+    (tmp_path / "checkpoint-9").mkdir()
+    with pytest.raises(FileNotFoundError, match="checkpoint-9.*memory_model.safetensors"):
+        trainer._load_from_checkpoint(str(tmp_path / "checkpoint-9"))
+    safetensors.torch.save_file({"lm_head.weight": torch.zeros(2)}, tmp_path / "checkpoint-9" / MEMORY_WEIGHTS_NAME)
+    with pytest.raises(ValueError, match="missing.*unexpected.*lm_head.weight"):
+        trainer._load_from_checkpoint(str(tmp_path / "checkpoint-9"))
+
+
+def test_interrupted_checkpoint_never_looks_complete(tiny_qwen3_dir, rows, uninterrupted, tmp_path):
+    trainer = make_trainer(tiny_qwen3_dir, tmp_path, rows)
+    save_rng_state = trainer._save_rng_state
+
+    def killed_during_step_2(output_dir):
+        if trainer.state.global_step == 2:
+            raise KeyboardInterrupt("killed while writing checkpoint-2")
+        save_rng_state(output_dir)
+
+    trainer._save_rng_state = killed_during_step_2
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-1", "tmp-checkpoint-2"]
+    assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-1")
+
+    # resuming picks the last complete checkpoint, overwrites the stale staging folder, ends exact
+    resumed = make_trainer(tiny_qwen3_dir, tmp_path, rows, save_total_limit=2)
+    resumed.train(resume_from_checkpoint=True)
+    final = trainable_weights(resumed.model)
+    assert all(torch.equal(final[n], w) for n, w in uninterrupted["None"].items())
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-5", "checkpoint-6"]
+
+
+def test_save_model_writes_memory_only_and_atomically(tiny_qwen3_dir, rows, tmp_path, monkeypatch):
+    trainer = make_trainer(tiny_qwen3_dir, tmp_path, rows)
+    trainer.save_model(str(tmp_path / "final"))
+    assert sorted(os.listdir(tmp_path / "final")) == [MEMORY_CONFIG_NAME, MEMORY_WEIGHTS_NAME, "training_args.json"]
+
+    def crash(state_dict, path, metadata=None):
+        open(path, "wb").write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", crash)
+    with pytest.raises(OSError, match="disk full"):
+        trainer.save_model(str(tmp_path / "final2"))
+    assert not (tmp_path / "final2" / MEMORY_WEIGHTS_NAME).exists()
+
+
+def test_rank0_log_line_counts_batches(tiny_qwen3_dir, rows, tmp_path, caplog):
+    trainer = make_trainer(
+        tiny_qwen3_dir, tmp_path, rows, save_strategy="no", max_steps=2, log_every_batches=4
+    )
+    assert trainer.args.logging_steps == 2
+    with caplog.at_level(logging.INFO, logger="titans_hf.training.trainer"):
+        trainer.train()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert lines[0].startswith("step 2 | batches 4 | loss ")
+    assert "learning_rate" in lines[0]
+
+
+def test_model_without_trainable_parameters_is_refused(tiny_qwen3_dir, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir).requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameter"):
+        TitansTrainer(model=model, args=make_args(tmp_path))
