@@ -207,49 +207,48 @@ class NeuralMemory(nn.Module):
         )
 
     # ---- the MLP, its explicit backward, and the update rule ----
+    # Internal layout: rows = batch * heads, so every product is one bmm (or a 4-D matmul over the chunks of a
+    # memory batch); chunks are cut with `split` (one backward node) instead of slicing (one zero-filled gradient
+    # per slice, which dominated the backward).
 
     @staticmethod
-    def _mlp(weights: list[Tensor], z: Tensor) -> tuple[Tensor, list[Tensor], list[Tensor]]:
-        """M_W(z), plus each layer's input and each hidden layer's sigmoid (what the inner backward needs)."""
-        inputs, sigmoids, a = [], [], z
+    def _mlp(weights: list[Tensor], z: Tensor) -> Tensor:
+        a = z
         for w in weights[:-1]:
+            a = F.silu(a @ w)
+        return _residual_matmul(z, a, weights[-1])
+
+    def _surprise(self, point: list[Tensor], keys: Tensor, keys_minus_values: Tensor, lr2: Tensor
+                  ) -> tuple[list[Tensor], Tensor | None]:
+        """G = grad_W sum_t theta_t ||M_W(k_t) - v_t||^2 at `point`, backprop written out (the token axis -2 is
+        summed by the matmuls), plus the per-row clip factor c / max(||G||, c)."""
+        inputs, pres, a = [], [], keys
+        for w in point[:-1]:
             inputs.append(a)
-            pre = a @ w
-            s = torch.sigmoid(pre)
-            sigmoids.append((pre, s))
-            a = pre * s
+            pres.append(a @ w)
+            a = F.silu(pres[-1])
         inputs.append(a)
-        return z + a @ weights[-1], inputs, sigmoids
-
-    @staticmethod
-    def _inner_grads(weights: list[Tensor], inputs: list[Tensor], sigmoids: list, delta: Tensor) -> list[Tensor]:
-        """grad_W of sum_t <delta_t, M_W(z_t)>: backprop written out; the token axis (-2) is summed by the matmuls."""
+        delta = _residual_matmul(keys_minus_values, a, point[-1]) * lr2.unsqueeze(-1)  # 2 theta (M(k) - v)
         grads = [inputs[-1].transpose(-1, -2) @ delta]
-        for layer in range(len(weights) - 2, -1, -1):
-            pre, s = sigmoids[layer]
-            delta = (delta @ weights[layer + 1].transpose(-1, -2)) * (s * (1 + pre * (1 - s)))  # silu'
+        for layer in range(len(point) - 2, -1, -1):
+            delta = _SiluDerivative.apply(delta @ point[layer + 1].transpose(-1, -2), pres[layer])
             grads.append(inputs[layer].transpose(-1, -2) @ delta)
-        return grads[::-1]
-
-    def _clip(self, grads: list[Tensor]) -> list[Tensor]:
+        grads = grads[::-1]
         if self.max_surprise_norm is None:
-            return grads
+            return grads, None
         # vector_norm's backward is safe at 0 (a fully padded chunk), sqrt(sum of squares) would give NaN
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dim=(-2, -1)) for g in grads]), dim=0)
-        scale = (self.max_surprise_norm / norm.clamp(min=self.max_surprise_norm))[..., None, None]
-        return [g * scale for g in grads]
+        return grads, (self.max_surprise_norm / norm.clamp(min=self.max_surprise_norm))[..., None, None]
 
     @staticmethod
-    def _step(weights, momentum, grads, eta, alpha, valid):
-        """S_j = eta S_{j-1} - G_j, W_j = (1 - alpha) W_{j-1} + S_j; rows with no real token keep their state."""
-        eta, keep = eta[..., None, None], (1 - alpha)[..., None, None]
-        new_momentum = [eta * s - g for s, g in zip(momentum, grads)]
-        new_weights = [keep * w + s for w, s in zip(weights, new_momentum)]
-        if valid is not None:
-            v = valid[:, None, None, None]
-            new_momentum = [torch.where(v, n, o) for n, o in zip(new_momentum, momentum)]
-            new_weights = [torch.where(v, n, o) for n, o in zip(new_weights, weights)]
-        return new_weights, new_momentum
+    def _step(weights, momentum, grads, scale, eta, keep, valid):
+        """S_j = eta S_{j-1} - scale G_j, W_j = (1 - alpha) W_{j-1} + S_j; rows without real tokens keep their state."""
+        if scale is None:
+            new_momentum = [eta * s - g for s, g in zip(momentum, grads)]
+        else:
+            new_momentum = [torch.addcmul(eta * s, scale, g, value=-1) for s, g in zip(momentum, grads)]
+        new_weights = [torch.addcmul(s, keep, w) for w, s in zip(weights, new_momentum)]
+        return _keep_rows_without_tokens(new_weights, new_momentum, weights, momentum, valid)
 
     # ---- forward ----
 
@@ -266,6 +265,7 @@ class NeuralMemory(nn.Module):
         if state.batch_size != B:
             raise ValueError(f"NeuralMemory: state holds {state.batch_size} rows but hidden has {B}")
         H, d, C, dtype = self.num_heads, self.head_dim, self.chunk_size, self.state_dtype
+        BH = B * H
 
         x = self.norm(hidden.to(self.to_qkv.weight.dtype))
         qkv = self.to_qkv(x).to(dtype)
@@ -278,7 +278,7 @@ class NeuralMemory(nn.Module):
         seq = torch.cat([state.conv_tail, qkv], dim=1)
         conv_tail = seq[:, seq.shape[1] - (self.conv_kernel - 1):]
         qkv = F.conv1d(seq.transpose(1, 2), self.conv_weight.to(dtype).unsqueeze(1), groups=qkv.shape[-1])
-        q, k, v = qkv.view(B, 3, H, d, T).permute(1, 0, 2, 4, 3)  # each [B, H, T, d]
+        q, k, v = qkv.view(B, 3, H, d, T).transpose(-1, -2).reshape(B, 3, BH // B, T, d).unbind(1)
         q, k = F.normalize(F.silu(q), dim=-1), F.normalize(F.silu(k), dim=-1)
         lr = (self.max_lr * torch.sigmoid(gates[..., :H]) * real[..., None]).transpose(1, 2)  # [B, H, T]
 
@@ -289,7 +289,6 @@ class NeuralMemory(nn.Module):
         lr = torch.cat([state.buffer_lr, lr], dim=2)
         gate_logits = torch.cat([state.buffer_gate_logits, gates[..., H:]], dim=1)
         real = torch.cat([state.buffer_mask, real], dim=1)
-        q = F.pad(q, (0, 0, r, 0))
         N = r + T
         n_full = N // C
 
@@ -297,51 +296,64 @@ class NeuralMemory(nn.Module):
         chunk_real = real[:, : n_full * C].view(B, n_full, C)
         count = chunk_real.sum(-1)
         mean_logits = (gate_logits[:, : n_full * C].view(B, n_full, C, 2 * H) * chunk_real[..., None]).sum(2)
-        mean_logits = mean_logits / count.clamp(min=1)[..., None]
-        eta, alpha = torch.sigmoid(mean_logits).transpose(1, 2).split(H, dim=1)  # each [B, H, n_full]
-        valid = None if mask is None or bool((count > 0).all()) else count > 0  # [B, n_full]
+        gates = torch.sigmoid(mean_logits / count.clamp(min=1)[..., None]).transpose(1, 2)  # [B, 2H, n_full]
+        etas = gates[:, :H].reshape(BH, n_full, 1, 1).unbind(1)
+        keeps = (1 - gates[:, H:]).reshape(BH, n_full, 1, 1).unbind(1)
+        valids = [None] * n_full
+        if mask is not None and not bool((count > 0).all()):
+            valids = (count > 0).repeat_interleave(H, dim=0).view(BH, n_full, 1, 1).unbind(1)
 
-        weights, momentum, grad_point = state.weights, state.momentum, state.batch_start_weights
+        # groups of consecutive full chunks that share one gradient point (the rest of a memory batch)
         first_chunk, m = state.position // C, self.chunks_per_batch
-        reads, i = [], 0
+        groups, i = [], 0
         while i < n_full:
-            end = min(n_full, i + m - (first_chunk + i) % m)  # chunks i..end share one gradient point
-            rows = slice(i * C, end * C)
-            if end - i == 1 and grad_point is weights:
-                # reads and the inner gradient use the same weights: one MLP pass over [q; k]
-                out, inputs, sigmoids = self._mlp(weights, torch.cat([q[:, :, rows], k[:, :, rows]], dim=2))
-                reads.append(out[:, :, :C])
-                delta = 2 * lr[:, :, rows, None] * (out[:, :, C:] - v[:, :, rows])
-                grads = self._inner_grads(weights, [a[:, :, C:] for a in inputs],
-                                          [(p[:, :, C:], s[:, :, C:]) for p, s in sigmoids], delta)
-                weights, momentum = self._step(weights, momentum, self._clip(grads), eta[..., i], alpha[..., i],
-                                               None if valid is None else valid[:, i])
+            groups.append(min(n_full - i, m - (first_chunk + i) % m))
+            i += groups[-1]
+        sizes = [n * C for n in groups] + ([N - n_full * C] if N > n_full * C else [])
+        rows = lambda t: t.reshape(BH, *t.shape[2:]).split(sizes, dim=1)  # noqa: E731
+        q_parts = rows(F.pad(q, (0, 0, r, 0)))  # r placeholder queries: those tokens were read last call
+        k_parts, kmv_parts, lr2_parts = rows(k), rows(k - v), rows(2 * lr)
+
+        flat = lambda ws: [w.reshape(BH, *w.shape[2:]) for w in ws]  # noqa: E731
+        weights, momentum = flat(state.weights), flat(state.momentum)
+        grad_point = weights if state.batch_start_weights is state.weights else flat(state.batch_start_weights)
+        reads, chunk = [], 0
+        for g, n in enumerate(groups):
+            if n == 1:
+                L = self.depth
+                out = _ChunkStep.apply(L, self.max_surprise_norm, *grad_point, *weights, *momentum, k_parts[g],
+                                       kmv_parts[g], lr2_parts[g], q_parts[g], etas[chunk], keeps[chunk])
+                reads.append(out[0])
+                weights, momentum = _keep_rows_without_tokens(out[1:L + 1], out[L + 1:], weights, momentum,
+                                                              valids[chunk])
             else:
-                n = end - i
-                point = [w.unsqueeze(2) for w in grad_point]
-                out, inputs, sigmoids = self._mlp(point, k[:, :, rows].unflatten(2, (n, C)))
-                delta = 2 * lr[:, :, rows].unflatten(2, (n, C))[..., None] * (out - v[:, :, rows].unflatten(2, (n, C)))
-                grads = self._clip(self._inner_grads(point, inputs, sigmoids, delta))  # each [B, H, n, d_in, d_out]
+                split = lambda t: t.unflatten(1, (n, C))  # noqa: E731
+                grads, scale = self._surprise([w.unsqueeze(1) for w in grad_point], split(k_parts[g]),
+                                              split(kmv_parts[g]), split(lr2_parts[g]))
+                grads = list(zip(*[g_.unbind(1) for g_ in grads]))
+                scales = [None] * n if scale is None else scale.unbind(1)
                 read_weights = []
                 for j in range(n):
                     read_weights.append(weights)
-                    weights, momentum = self._step(weights, momentum, [g[:, :, j] for g in grads], eta[..., i + j],
-                                                   alpha[..., i + j], None if valid is None else valid[:, i + j])
-                stacked = [torch.stack(ws, dim=2) for ws in zip(*read_weights)]
-                reads.append(self._mlp(stacked, q[:, :, rows].unflatten(2, (n, C)))[0].flatten(2, 3))
-            if (first_chunk + end) % m == 0:
+                    weights, momentum = self._step(weights, momentum, grads[j], scales[j], etas[chunk + j],
+                                                   keeps[chunk + j], valids[chunk + j])
+                stacked = [torch.stack(ws, dim=1) for ws in zip(*read_weights)]
+                reads.append(self._mlp(stacked, split(q_parts[g])).flatten(1, 2))
+            chunk += n
+            if (first_chunk + chunk) % m == 0:
                 grad_point = weights
-            i = end
         if N > n_full * C:  # the unfinished chunk reads the latest weights and waits in the buffer
-            reads.append(self._mlp(weights, q[:, :, n_full * C:])[0])
-        out = torch.cat(reads, dim=2)[:, :, r:] if len(reads) > 1 else reads[0][:, :, r:]
-        out = out.transpose(1, 2).reshape(B, T, H * d).to(hidden.dtype)
+            reads.append(self._mlp(weights, q_parts[-1]))
+        out = (torch.cat(reads, dim=1) if len(reads) > 1 else reads[0])[:, r:]
+        out = out.view(B, H, T, d).transpose(1, 2).reshape(B, T, H * d).to(hidden.dtype)
 
+        unflat = lambda ws: [w.view(B, H, *w.shape[1:]) for w in ws]  # noqa: E731
+        new_weights = unflat(weights)
         rest = slice(n_full * C, N)
         new_state = MemoryState(
-            weights=weights,
-            momentum=momentum,
-            batch_start_weights=grad_point,
+            weights=new_weights,
+            momentum=unflat(momentum),
+            batch_start_weights=new_weights if grad_point is weights else unflat(grad_point),
             conv_tail=conv_tail,
             buffer_keys=k[:, :, rest],
             buffer_values=v[:, :, rest],
@@ -351,3 +363,182 @@ class NeuralMemory(nn.Module):
             position=state.position + T,
         )
         return out, new_state
+
+
+def _keep_rows_without_tokens(new_weights, new_momentum, weights, momentum, valid: Tensor | None):
+    """A chunk without a single real token (padding only) leaves that row's weights and momentum untouched."""
+    if valid is None:
+        return list(new_weights), list(new_momentum)
+    return ([torch.where(valid, n, o) for n, o in zip(new_weights, weights)],
+            [torch.where(valid, n, o) for n, o in zip(new_momentum, momentum)])
+
+
+def _residual_matmul(base: Tensor, a: Tensor, w: Tensor) -> Tensor:
+    """base + a @ w, fused into one kernel where the shapes allow."""
+    return torch.baddbmm(base, a, w) if a.dim() == 3 else base + a @ w
+
+
+class _SiluDerivative(torch.autograd.Function):
+    """upstream * silu'(pre) with a hand-written backward: the inner backprop calls it once per hidden layer and
+    chunk, and the autograd graph of the plain expression kept five intermediates alive for every one."""
+
+    @staticmethod
+    def forward(ctx, upstream: Tensor, pre: Tensor) -> Tensor:
+        ctx.save_for_backward(upstream, pre)
+        s = torch.sigmoid(pre)
+        return (1 - s).mul_(pre).add_(1).mul_(s).mul_(upstream)  # s (1 + pre (1 - s))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        upstream, pre = ctx.saved_tensors
+        s = torch.sigmoid(pre)
+        one_minus_s = 1 - s
+        grad_upstream = grad_pre = None
+        if ctx.needs_input_grad[0]:
+            grad_upstream = (one_minus_s * pre).add_(1).mul_(s).mul_(grad)
+        if ctx.needs_input_grad[1]:
+            # silu''(z) = s (1 - s) (2 + z (1 - 2 s))
+            grad_pre = (1 - 2 * s).mul_(pre).add_(2).mul_(s).mul_(one_minus_s).mul_(upstream).mul_(grad)
+        return grad_upstream, grad_pre
+
+
+def _silu_parts(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """sigmoid(z), silu(z) = z s and silu'(z) = s + silu(z) (1 - s), sharing one sigmoid."""
+    s = torch.sigmoid(z)
+    act = z * s
+    return s, act, torch.addcmul(s, act, 1 - s)
+
+
+def _dot(a: Tensor, b: Tensor) -> Tensor:
+    """Per-row inner product of two [rows, m, n] tensors, as [rows, 1, 1]."""
+    return torch.linalg.vecdot(a.flatten(1), b.flatten(1))[:, None, None]
+
+
+class _ChunkStep(torch.autograd.Function):
+    """One update chunk as a single autograd node: read M_W(q), surprise G at the point P, clipped momentum step.
+
+    Inputs ``(depth, clip, *P, *W, *S, k, k - v, 2 theta, q, eta, 1 - alpha)``, rows = batch * heads; outputs
+    ``(read, *W_new, *S_new)``. The backward is the exact reverse of the written-out inner backprop (second
+    derivatives of silu included). One node instead of ~60 tiny ones per chunk, and only the pre-activations and
+    sigmoids saved, is what made the outer backward fast and small.
+    """
+
+    @staticmethod
+    def forward(ctx, depth: int, clip: float | None, *tensors: Tensor):
+        P, W, S = tensors[:depth], tensors[depth:2 * depth], tensors[2 * depth:3 * depth]
+        k, kmv, lr2, q, eta, keep = tensors[3 * depth:]
+        acts, pres, sigmoids, slopes = [k], [], [], []
+        for p in P[:-1]:
+            pres.append(acts[-1] @ p)
+            s, act, slope = _silu_parts(pres[-1])
+            sigmoids.append(s)
+            acts.append(act)
+            slopes.append(slope)
+        err = torch.baddbmm(kmv, acts[-1], P[-1])  # M_P(k) - v
+        delta = err * lr2.unsqueeze(-1)
+        grads = [acts[-1].transpose(1, 2) @ delta]
+        for i in range(depth - 2, -1, -1):
+            delta = (delta @ P[i + 1].transpose(1, 2)).mul_(slopes[i])
+            grads.append(acts[i].transpose(1, 2) @ delta)
+        grads = grads[::-1]
+        norm = scale = None
+        if clip is not None:
+            norm = torch.sqrt(sum(_dot(g, g) for g in grads))
+            scale = clip / norm.clamp(min=clip)
+            new_S = [torch.addcmul(eta * s, scale, g, value=-1) for s, g in zip(S, grads)]
+        else:
+            new_S = [torch.sub(eta * s, g) for s, g in zip(S, grads)]
+        new_W = [torch.addcmul(s, keep, w) for w, s in zip(W, new_S)]
+        read_sigmoids, read_acts, b = [], [q], q
+        for w in W[:-1]:
+            y = b @ w
+            read_sigmoids.append(torch.sigmoid(y))
+            b = y.mul_(read_sigmoids[-1])
+            read_acts.append(b)
+        read = torch.baddbmm(q, b, W[-1])
+        ctx.depth, ctx.clip = depth, clip
+        ctx.save_for_backward(*tensors, err, *pres, *sigmoids, *acts[1:], *read_sigmoids, *read_acts[1:],
+                              *(grads if clip is not None else ()), *((norm, scale) if clip is not None else ()))
+        return (read, *new_W, *new_S)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_read: Tensor | None, *g_out: Tensor | None):
+        L, clip = ctx.depth, ctx.clip
+        saved = list(ctx.saved_tensors)
+        P, W, S = saved[:L], saved[L:2 * L], saved[2 * L:3 * L]
+        k, kmv, lr2, q, eta, keep, err = saved[3 * L:3 * L + 7]
+        h = L - 1  # hidden layers
+        pos = 3 * L + 7
+        pres, sigmoids, acts, read_sigmoids, read_acts = (saved[pos + j * h:pos + (j + 1) * h] for j in range(5))
+        rest = saved[pos + 5 * h:]
+        acts, read_acts = [k] + acts, [q] + read_acts
+        gW_new = [torch.zeros_like(w) if g is None else g for g, w in zip(g_out[:L], W)]
+        gS_new = [torch.zeros_like(s) if g is None else g for g, s in zip(g_out[L:], S)]
+
+        # W' = keep W + S', S' = eta S - scale G
+        gS_total = [gs + gw for gs, gw in zip(gS_new, gW_new)]
+        gW = [keep * g for g in gW_new]
+        g_keep = sum(_dot(g, w) for g, w in zip(gW_new, W))
+        gS = [eta * g for g in gS_total]
+        g_eta = sum(_dot(g, s) for g, s in zip(gS_total, S))
+        if clip is None:
+            gG = [-g for g in gS_total]
+        else:
+            grads, (norm, scale) = rest[:L], rest[L:]
+            gG = [g * -scale for g in gS_total]
+            g_scale = -sum(_dot(g, G) for g, G in zip(gS_total, grads))
+            # scale = clip / norm where norm > clip: d scale / d G = -clip G / norm^3
+            coef = torch.where(norm > clip, g_scale * -clip / norm.clamp(min=clip) ** 3, 0.0)
+            gG = [g.addcmul_(coef, G) for g, G in zip(gG, grads)]
+
+        # reverse of the inner backprop; index i = layer, acts[i] its input, delta[i] the gradient at its output
+        slopes = [torch.addcmul(s, a, 1 - s) for s, a in zip(sigmoids, acts[1:])]
+        delta = [None] * L
+        delta[L - 1] = err * lr2.unsqueeze(-1)
+        u = [None] * h
+        for i in range(L - 2, -1, -1):
+            u[i] = delta[i + 1] @ P[i + 1].transpose(1, 2)
+            delta[i] = u[i] * slopes[i]
+        g_acts, g_delta, gP, g_pres = [None] * L, [None] * L, [None] * L, [None] * h
+        for i in range(L):
+            g_acts[i] = delta[i] @ gG[i].transpose(1, 2)
+            if g_delta[i] is None:
+                g_delta[i] = acts[i] @ gG[i]
+            else:
+                g_delta[i].baddbmm_(acts[i], gG[i])
+            if i < L - 1:
+                s = sigmoids[i]
+                second = (1 - 2 * s).mul_(pres[i]).add_(2).mul_(s).mul_(1 - s)  # silu''
+                g_pres[i] = second.mul_(u[i]).mul_(g_delta[i])
+                g_u = g_delta[i].mul_(slopes[i])
+                g_delta[i + 1] = g_u @ P[i + 1]
+                gP[i + 1] = g_u.transpose(1, 2) @ delta[i + 1]
+        g_lr2 = (g_delta[L - 1] * err).sum(-1)
+        g_err = g_delta[L - 1].mul_(lr2.unsqueeze(-1))
+        g_acts[L - 1].baddbmm_(g_err, P[L - 1].transpose(1, 2))
+        if gP[L - 1] is None:
+            gP[L - 1] = acts[L - 1].transpose(1, 2) @ g_err
+        else:
+            gP[L - 1].baddbmm_(acts[L - 1].transpose(1, 2), g_err)
+        for i in range(L - 2, -1, -1):
+            g_pres[i].addcmul_(g_acts[i + 1], slopes[i])
+            g_acts[i].baddbmm_(g_pres[i], P[i].transpose(1, 2))
+            if gP[i] is None:
+                gP[i] = acts[i].transpose(1, 2) @ g_pres[i]
+            else:
+                gP[i].baddbmm_(acts[i].transpose(1, 2), g_pres[i])
+
+        # the read: r = q + b_{L-1} W_L, b_i = silu(y_i)
+        g_q = None
+        if g_read is not None:
+            g_b = g_read @ W[L - 1].transpose(1, 2)
+            gW[L - 1].baddbmm_(read_acts[L - 1].transpose(1, 2), g_read)
+            for i in range(L - 2, -1, -1):
+                s = read_sigmoids[i]
+                g_y = g_b.mul_(torch.addcmul(s, read_acts[i + 1], 1 - s))
+                gW[i].baddbmm_(read_acts[i].transpose(1, 2), g_y)
+                g_b = g_y @ W[i].transpose(1, 2)
+            g_q = g_b.add_(g_read)
+        return (None, None, *gP, *gW, *gS, g_acts[0], g_err, g_lr2, g_q, g_eta, g_keep)

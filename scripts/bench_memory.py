@@ -1,0 +1,192 @@
+"""NeuralMemory vs titans-pytorch 0.5.5 on the same math, side by side in one run.
+
+Both: multi-head memory (heads x 64), 2-layer MLP memory with expansion 4, update chunk 64, inner gradient point
+refreshed every chunk (titans-pytorch `batch_size=64`), surprise clipped to norm 1, max lr 0.1. Every case runs in a
+fresh subprocess so peak memory is that case's alone (Linux VmHWM, reset right before the measured calls; CUDA: peak
+allocated). Matmul FLOPs are counted analytically from the shapes (the same count for both, so the fraction of the
+machine's measured sgemm FLOP/s compares like with like). Other processes sharing the cores make timings noisy:
+read the ratios, which are measured in the same minute.
+
+    python scripts/bench_memory.py --quick
+    python scripts/bench_memory.py --json bench_memory.json [--threads 1]
+    python scripts/bench_memory.py --device cuda --dtype bf16 --cases d896-32k   # on a GPU machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CASES = {
+    "d256-2k": dict(dim=256, heads=4, tokens=2048),
+    "d256-8k": dict(dim=256, heads=4, tokens=8192),
+    "d896-4k": dict(dim=896, heads=14, tokens=4096),
+    "d896-32k": dict(dim=896, heads=14, tokens=32768),
+}
+HEAD_DIM, EXPANSION, CHUNK = 64, 4, 64
+IMPLS = ("titans_hf", "titans_pytorch")
+MODES = ("forward", "forward+backward")
+
+
+def matmul_flops(dim: int, heads: int, tokens: int, backward: bool) -> float:
+    """Forward: q/k/v + gate projections, then per head and token one MLP pass for the read, one for the surprise,
+    and its written-out backward (weight gradients of both layers + the delta through the second)."""
+    hidden = HEAD_DIM * EXPANSION
+    mlp = 2 * (HEAD_DIM * hidden + hidden * HEAD_DIM)
+    inner_backward = 3 * 2 * HEAD_DIM * hidden
+    forward = tokens * (2 * dim * 3 * heads * (HEAD_DIM + 1) + heads * (2 * mlp + inner_backward))
+    return forward * (3 if backward else 1)  # each matmul's backward is two matmuls of the same size
+
+
+def build(impl: str, dim: int, heads: int):
+    if impl == "titans_hf":
+        from titans_hf.modeling.memory import NeuralMemory
+
+        return NeuralMemory(dim, heads, HEAD_DIM, depth=2, expansion=EXPANSION, conv_kernel=4, chunk_size=CHUNK,
+                            batch_size=CHUNK, max_lr=0.1, max_surprise_norm=1.0)
+    from titans_pytorch import MemoryMLP
+    from titans_pytorch import NeuralMemory as ReferenceMemory
+
+    return ReferenceMemory(dim, chunk_size=CHUNK, batch_size=CHUNK, dim_head=HEAD_DIM, heads=heads,
+                           model=MemoryMLP(HEAD_DIM, depth=2, expansion_factor=EXPANSION),
+                           default_step_transform_max_lr=0.1, max_grad_norm=1.0)
+
+
+def _rss_peak_reset() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def worker(spec: dict) -> dict:
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    torch.manual_seed(0)
+    device, dtype = torch.device(spec["device"]), getattr(torch, spec["dtype"])
+    module = build(spec["impl"], spec["dim"], spec["heads"]).to(device)
+    if spec["impl"] == "titans_pytorch":
+        module = module.to(dtype)  # ours keeps fp32 parameters and state; activations come in as `dtype`
+    hidden = torch.randn(1, spec["tokens"], spec["dim"], device=device, dtype=dtype)
+    backward = spec["mode"] == "forward+backward"
+
+    def run():
+        with torch.set_grad_enabled(backward):
+            reads = module(hidden)[0]
+            if backward:
+                reads.float().square().mean().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    # peak memory over the first call (a warm-up would leave freed pages resident and hide the peak), then time
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        _rss_peak_reset()
+        base = _status_kb("VmRSS") * 1024
+    run()
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else _status_kb("VmHWM") * 1024
+    module.zero_grad(set_to_none=True)
+    times = []
+    for _ in range(spec["repeats"]):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+        module.zero_grad(set_to_none=True)
+    seconds = min(times)
+    flops = matmul_flops(spec["dim"], spec["heads"], spec["tokens"], backward)
+    return dict(spec, seconds=seconds, tokens_per_s=spec["tokens"] / seconds, peak_mb=(peak - base) / 2**20,
+                gflops=flops / seconds / 1e9)
+
+
+def sgemm_gflops(threads: int, device: str, dtype: str) -> float:
+    """The machine's matmul ceiling as measured here: best of several large square products."""
+    import torch
+
+    torch.set_num_threads(threads)
+    n = 2048
+    a = torch.randn(n, n, device=device, dtype=getattr(torch, dtype))
+    b = torch.randn(n, n, device=device, dtype=getattr(torch, dtype))
+    best = float("inf")
+    for _ in range(6):
+        start = time.perf_counter()
+        a @ b
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e9
+
+
+def run_case(spec: dict) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        return dict(spec, error=proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="d256-2k only, one timed call (< 1 minute)")
+    parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=["d256-2k", "d256-8k", "d896-4k"])
+    parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--json", type=Path, help="write all figures here")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))))
+        return
+    if args.quick:
+        args.cases, args.repeats = ["d256-2k"], 1
+
+    from tqdm import tqdm
+
+    peak = sgemm_gflops(args.threads, args.device, args.dtype)
+    specs = [dict(CASES[name], case=name, impl=impl, mode=mode, threads=args.threads, repeats=args.repeats,
+                  device=args.device, dtype=args.dtype)
+             for name in args.cases for mode in MODES for impl in IMPLS]
+    results = [run_case(spec) for spec in tqdm(specs, desc="bench_memory", unit="case")]
+
+    print(f"\nsgemm ceiling: {peak:.1f} GFLOP/s ({args.threads} threads, {args.device}, {args.dtype})")
+    print(f"{'case':<9} {'mode':<17} {'impl':<15} {'tok/s':>9} {'peak MB':>9} {'GFLOP/s':>8} {'% sgemm':>8}")
+    ratios = {}
+    for res in results:
+        if "error" in res:
+            print(f"{res['case']:<9} {res['mode']:<17} {res['impl']:<15} error: {res['error']}")
+            continue
+        res["fraction_of_sgemm"] = res["gflops"] / peak
+        print(f"{res['case']:<9} {res['mode']:<17} {res['impl']:<15} {res['tokens_per_s']:>9.0f} "
+              f"{res['peak_mb']:>9.1f} {res['gflops']:>8.1f} {100 * res['fraction_of_sgemm']:>7.1f}%")
+    by_key = {(r["case"], r["mode"], r["impl"]): r for r in results if "error" not in r}
+    print(f"\n{'case':<9} {'mode':<17} {'throughput ours/theirs':>23} {'peak memory ours/theirs':>24}")
+    for name in args.cases:
+        for mode in MODES:
+            ours, theirs = by_key.get((name, mode, "titans_hf")), by_key.get((name, mode, "titans_pytorch"))
+            if ours and theirs:
+                ratio = dict(throughput=ours["tokens_per_s"] / theirs["tokens_per_s"],
+                             peak_memory=ours["peak_mb"] / max(theirs["peak_mb"], 1e-9))
+                ratios[f"{name}/{mode}"] = ratio
+                print(f"{name:<9} {mode:<17} {ratio['throughput']:>22.2f}x {ratio['peak_memory']:>23.2f}x")
+    if args.json:
+        tmp = args.json.with_suffix(args.json.suffix + ".tmp")
+        tmp.write_text(json.dumps(dict(sgemm_gflops=peak, threads=args.threads, device=args.device,
+                                       dtype=args.dtype, results=results, ratios=ratios), indent=2))
+        tmp.replace(args.json)
+
+
+if __name__ == "__main__":
+    main()
