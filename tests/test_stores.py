@@ -102,6 +102,16 @@ def test_h5_store_reopens_its_handle_after_pickling(tmp_path):
     np.testing.assert_array_equal(clone.segment("sequence", 10), DOCUMENTS[10])
 
 
+def test_mmap_store_pickles_without_its_mapped_data(tmp_path):
+    import pickle
+
+    store = MmapStore(write_store(tmp_path / "pickled_bin", documents=[np.arange(50_000)], dtype="uint32"))
+    store.read("sequence", 0, 50_000)
+    payload = pickle.dumps(store)
+    assert len(payload) < 5_000  # the 200 kB of tokens stay in the file
+    np.testing.assert_array_equal(pickle.loads(payload).read("sequence", 49_990, 50_000), np.arange(49_990, 50_000))
+
+
 def test_memmap_is_read_only_and_reads_survive_releasing_the_maps(tmp_path):
     path = write_store(tmp_path / "ro_bin")
     before = checksums(path)

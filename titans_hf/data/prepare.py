@@ -47,6 +47,8 @@ PIECE_CHARS = 1 << 16
 _SAFE_CUT = re.compile(r"\n(?=[^\W_])")
 _CUT_PROBES = (("Hello world.\n", "The end"), ("a\n\n", "b c"), ("x \n", "9 y"), ("one\r\n", "Two"), ("é\n", "ü"))
 _READ_CHARS = 1 << 20
+# A batch also ends at this many characters, which bounds the memory of one tokenizer call.
+BATCH_CHARS = 1 << 20
 
 
 def _cuts_are_exact(tokenizer) -> bool:
@@ -183,9 +185,9 @@ def _init_worker(tokenizer_name: str) -> None:
     _worker_tokenizer = _load_tokenizer(tokenizer_name)
 
 
-def _encode_batch(batch: tuple[str, list[Any]], tokenizer=None) -> list[dict[str, Any]]:
+def _encode_batch(batch: tuple[str, list[Any], int], tokenizer=None) -> tuple[list[dict[str, Any]], int]:
     """Encode a batch of units with one batched tokenizer call; return store segments per unit."""
-    train_type, units = batch
+    train_type, units, chars = batch
     tokenizer = tokenizer or _worker_tokenizer
     texts: list[str] = []
 
@@ -239,19 +241,21 @@ def _encode_batch(batch: tuple[str, list[Any]], tokenizer=None) -> list[dict[str
                     "rewards": np.asarray(unit["rewards"], dtype=np.float32),
                 }
             )
-    return encoded
+    return encoded, chars
 
 
-def _batches(units: Iterator[tuple[Any, int]], train_type: str, batch_size: int, progress: tqdm):
+def _batches(units: Iterator[tuple[Any, int]], train_type: str, batch_size: int):
+    """(train_type, units, characters) per batch: the characters advance the progress bar once written."""
     batch: list[Any] = []
-    for unit, chars in units:
+    chars = 0
+    for unit, unit_chars in units:
         batch.append(unit)
-        progress.update(chars)
-        if len(batch) >= batch_size:
-            yield train_type, batch
-            batch = []
+        chars += unit_chars
+        if len(batch) >= batch_size or chars >= BATCH_CHARS:
+            yield train_type, batch, chars
+            batch, chars = [], 0
     if batch:
-        yield train_type, batch
+        yield train_type, batch, chars
 
 
 def _ordered_map(pool, function, items: Iterable[Any], lookahead: int) -> Iterator[Any]:
@@ -279,11 +283,15 @@ def _write_unit(writer: StoreWriter, encoded: dict[str, Any]) -> bool:
 
 
 def _shard_paths(output: Path, count: int) -> list[Path]:
+    """`name.h5` -> `name-00000-of-00003.h5`, ...; a bin directory `name` -> `name-00000-of-00003`, ..."""
     if count == 1:
         return [output]
+    return [output.with_name(_shard_name(output, f"{index:05d}", f"{count:05d}")) for index in range(count)]
+
+
+def _shard_name(output: Path, index: str, count: str) -> str:
     suffix = output.suffix if output_format(output) == "h5" else ""
-    stem = output.name[: len(output.name) - len(suffix)] if suffix else output.name
-    return [output.with_name(f"{stem}-{index:05d}-of-{count:05d}{suffix}") for index in range(count)]
+    return f"{output.name[: len(output.name) - len(suffix)]}-{index}-of-{count}{suffix}"
 
 
 def _remove(path: Path) -> None:
@@ -317,7 +325,7 @@ def prepare(
     if shard_tokens is not None and (not isinstance(shard_tokens, int) or shard_tokens < 1):
         raise ValueError(f"shard_tokens must be a positive integer or None, got {shard_tokens!r}")
     output = Path(output)
-    existing = [path for path in [output, *output.parent.glob(f"{output.stem}-*-of-*")] if path.exists()]
+    existing = [path for path in [output, *output.parent.glob(_shard_name(output, "*", "*"))] if path.exists()]
     if existing and not overwrite:
         raise ValueError(f"{existing[0]}: output already exists; pass overwrite=True (--overwrite) to replace it")
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -341,7 +349,7 @@ def prepare(
     # File sizes in bytes bound the characters from above: the bar may stop a little short of 100%.
     total_chars = sum(path.stat().st_size for path in paths if path.is_file()) if paths is not None else None
     progress = tqdm(total=total_chars, unit="char", unit_scale=True, desc=f"prepare {output.name}")
-    batches = _batches(_units(inputs, train_type, text_field, _cuts_are_exact(tok)), train_type, batch_size, progress)
+    batches = _batches(_units(inputs, train_type, text_field, _cuts_are_exact(tok)), train_type, batch_size)
 
     writers: list[StoreWriter] = []
     finished: list[Path] = []
@@ -353,7 +361,7 @@ def prepare(
         else:
             encoded_batches = (_encode_batch(batch, tok) for batch in batches)
         writer = None
-        for encoded_batch in encoded_batches:
+        for encoded_batch, chars in encoded_batches:
             for encoded in encoded_batch:
                 if writer is None:
                     writer = writer_class(output, dtypes, metadata)
@@ -361,6 +369,7 @@ def prepare(
                 if _write_unit(writer, encoded) and shard_tokens is not None and writer.num_tokens >= shard_tokens:
                     finished.append(writer.finish())
                     writer = None
+            progress.update(chars)
         if writer is not None:
             finished.append(writer.finish())
         if not finished:

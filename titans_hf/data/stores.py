@@ -174,7 +174,7 @@ class MmapStore(TokenStore):
     # Pages a mapping has touched count toward this process's RSS until unmapped, so a long pass
     # over a large store would look like (and, under a cgroup limit, be charged as) loading it
     # whole. Dropping the maps after this many bytes keeps RSS flat; the page cache keeps the data.
-    release_after_bytes = 64 << 20
+    release_after_bytes = 16 << 20
 
     def __init__(self, path: str | Path):
         path = Path(path)
@@ -238,6 +238,10 @@ class MmapStore(TokenStore):
     def close(self) -> None:
         self._maps.clear()
         self._bytes_since_release = 0
+
+    def __getstate__(self) -> dict:
+        # Pickling a memmap copies its data: workers get the paths and map the files themselves.
+        return {**self.__dict__, "_maps": {}, "_bytes_since_release": 0}
 
 
 class H5Store(TokenStore):
