@@ -215,3 +215,13 @@ def test_console_command(tmp_path, tiny_tokenizer_dir, tokenizer, capsys):
     assert open_store(output).segment("sequence", 0).tolist() == encode(tokenizer, STORY) + [tokenizer.eos_token_id]
     with pytest.raises(ValueError, match="no inputs"):
         main(["prepare", "--output", str(tmp_path / "x.h5"), "--tokenizer", str(tiny_tokenizer_dir)])
+    # --dataset loads through datasets.load_dataset: here a local folder of .jsonl files.
+    (tmp_path / "folder").mkdir()
+    write_jsonl(tmp_path / "folder" / "train.jsonl", [{"body": OTHER}, {"body": STORY}])
+    from_dataset = tmp_path / "from_dataset.h5"
+    arguments = ["--dataset", str(tmp_path / "folder"), "--text-field", "body", "-o", str(from_dataset),
+                 "--tokenizer", str(tiny_tokenizer_dir)]
+    assert main(["prepare", *arguments]) == 0
+    assert open_store(from_dataset).segment("sequence", 1).tolist() == encode(tokenizer, STORY) + [tokenizer.eos_token_id]
+    with pytest.raises(ValueError, match="pass input files or --dataset, not both"):
+        main(["prepare", str(tmp_path / "story.txt"), *arguments])
