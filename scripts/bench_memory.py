@@ -2,8 +2,8 @@
 
 Both: multi-head memory (heads x 64), 2-layer MLP memory with expansion 4, update chunk 64, inner gradient point
 refreshed every chunk (titans-pytorch `batch_size=64`), surprise clipped to norm 1, max lr 0.1. Every case runs in a
-fresh subprocess so peak memory is that case's alone (Linux VmHWM, reset right before the measured calls; CUDA: peak
-allocated). Matmul FLOPs are counted analytically from the shapes (the same count for both, so the fraction of the
+fresh subprocess so peak memory is that case's alone (Linux VmHWM, reset right before the first call; CUDA: peak
+allocated); timings alternate the two implementations in one process, best of --repeats rounds. Matmul FLOPs are counted analytically from the shapes (the same count for both, so the fraction of the
 machine's measured sgemm FLOP/s compares like with like). Other processes sharing the cores make timings noisy:
 read the ratios, which are measured in the same minute.
 
@@ -69,14 +69,13 @@ def _status_kb(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def worker(spec: dict) -> dict:
+def _setup(spec: dict, impl: str):
     import torch
 
-    torch.set_num_threads(spec["threads"])
-    torch.manual_seed(0)
     device, dtype = torch.device(spec["device"]), getattr(torch, spec["dtype"])
-    module = build(spec["impl"], spec["dim"], spec["heads"]).to(device)
-    if spec["impl"] == "titans_pytorch":
+    torch.manual_seed(0)
+    module = build(impl, spec["dim"], spec["heads"]).to(device)
+    if impl == "titans_pytorch":
         module = module.to(dtype)  # ours keeps fp32 parameters and state; activations come in as `dtype`
     hidden = torch.randn(1, spec["tokens"], spec["dim"], device=device, dtype=dtype)
     backward = spec["mode"] == "forward+backward"
@@ -86,29 +85,42 @@ def worker(spec: dict) -> dict:
             reads = module(hidden)[0]
             if backward:
                 reads.float().square().mean().backward()
+        module.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    # peak memory over the first call (a warm-up would leave freed pages resident and hide the peak), then time
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        _rss_peak_reset()
-        base = _status_kb("VmRSS") * 1024
-    run()
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else _status_kb("VmHWM") * 1024
-    module.zero_grad(set_to_none=True)
-    times = []
-    for _ in range(spec["repeats"]):
-        start = time.perf_counter()
+    return run
+
+
+def worker(spec: dict) -> dict:
+    """Peak memory of one implementation's first call (a warm-up would leave freed pages resident and hide the
+    peak), or, with spec["impl"] == "both", the timings: both implementations alternated in one process, so the
+    load other processes put on the machine falls on both alike."""
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    cuda = spec["device"].startswith("cuda")
+    if spec["impl"] != "both":
+        run = _setup(spec, spec["impl"])
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        else:
+            _rss_peak_reset()
+            base = _status_kb("VmRSS") * 1024
         run()
-        times.append(time.perf_counter() - start)
-        module.zero_grad(set_to_none=True)
-    seconds = min(times)
-    flops = matmul_flops(spec["dim"], spec["heads"], spec["tokens"], backward)
-    return dict(spec, seconds=seconds, tokens_per_s=spec["tokens"] / seconds, peak_mb=(peak - base) / 2**20,
-                gflops=flops / seconds / 1e9)
+        peak = torch.cuda.max_memory_allocated() if cuda else _status_kb("VmHWM") * 1024
+        return dict(spec, peak_mb=(peak - base) / 2**20)
+    runs = {impl: _setup(spec, impl) for impl in IMPLS}
+    times = {impl: [] for impl in IMPLS}
+    for impl, run in runs.items():
+        run()  # warm-up
+    for _ in range(spec["repeats"]):
+        for impl, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[impl].append(time.perf_counter() - start)
+    return dict(spec, seconds={impl: min(t) for impl, t in times.items()})
 
 
 def sgemm_gflops(threads: int, device: str, dtype: str) -> float:
@@ -130,7 +142,11 @@ def sgemm_gflops(threads: int, device: str, dtype: str) -> float:
 
 
 def run_case(spec: dict) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True)
+    # large blocks straight from mmap and back on free: RSS then follows live memory instead of glibc's heap cache
+    # (memory runs only: the extra mmap calls would slow the timed runs)
+    env = dict(os.environ, **({} if spec["impl"] == "both" else {"MALLOC_MMAP_THRESHOLD_": "65536"}))
+    proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True,
+                          env=env)
     if proc.returncode != 0:
         return dict(spec, error=proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -138,7 +154,7 @@ def run_case(spec: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="d256-2k only, one timed call (< 1 minute)")
+    parser.add_argument("--quick", action="store_true", help="d256-2k only, two timed rounds (< 1 minute)")
     parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=["d256-2k", "d256-8k", "d896-4k"])
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--repeats", type=int, default=3)
@@ -151,15 +167,31 @@ def main() -> None:
         print(json.dumps(worker(json.loads(args.worker))))
         return
     if args.quick:
-        args.cases, args.repeats = ["d256-2k"], 1
+        args.cases, args.repeats = ["d256-2k"], 2
 
     from tqdm import tqdm
 
     peak = sgemm_gflops(args.threads, args.device, args.dtype)
-    specs = [dict(CASES[name], case=name, impl=impl, mode=mode, threads=args.threads, repeats=args.repeats,
-                  device=args.device, dtype=args.dtype)
-             for name in args.cases for mode in MODES for impl in IMPLS]
-    results = [run_case(spec) for spec in tqdm(specs, desc="bench_memory", unit="case")]
+    common = dict(threads=args.threads, repeats=args.repeats, device=args.device, dtype=args.dtype)
+    specs = [dict(CASES[name], case=name, mode=mode, impl=impl, **common)
+             for name in args.cases for mode in MODES for impl in ("both", *IMPLS)]
+    done = {}
+    for spec in tqdm(specs, desc="bench_memory", unit="run"):
+        done[spec["case"], spec["mode"], spec["impl"]] = run_case(spec)
+    results = []
+    for name in args.cases:
+        for mode in MODES:
+            timing = done[name, mode, "both"]
+            for impl in IMPLS:
+                res = dict(done[name, mode, impl])
+                if "error" in timing or "error" in res:
+                    res["error"] = timing.get("error") or res.get("error")
+                else:
+                    seconds = timing["seconds"][impl]
+                    flops = matmul_flops(res["dim"], res["heads"], res["tokens"], mode == "forward+backward")
+                    res.update(seconds=seconds, tokens_per_s=res["tokens"] / seconds, gflops=flops / seconds / 1e9,
+                               fraction_of_sgemm=flops / seconds / 1e9 / peak)
+                results.append(res)
 
     print(f"\nsgemm ceiling: {peak:.1f} GFLOP/s ({args.threads} threads, {args.device}, {args.dtype})")
     print(f"{'case':<9} {'mode':<17} {'impl':<15} {'tok/s':>9} {'peak MB':>9} {'GFLOP/s':>8} {'% sgemm':>8}")
@@ -168,7 +200,6 @@ def main() -> None:
         if "error" in res:
             print(f"{res['case']:<9} {res['mode']:<17} {res['impl']:<15} error: {res['error']}")
             continue
-        res["fraction_of_sgemm"] = res["gflops"] / peak
         print(f"{res['case']:<9} {res['mode']:<17} {res['impl']:<15} {res['tokens_per_s']:>9.0f} "
               f"{res['peak_mb']:>9.1f} {res['gflops']:>8.1f} {100 * res['fraction_of_sgemm']:>7.1f}%")
     by_key = {(r["case"], r["mode"], r["impl"]): r for r in results if "error" not in r}

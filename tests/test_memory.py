@@ -98,6 +98,26 @@ def test_matches_per_token_reference_reads_and_outer_gradients(depth, chunk, bat
     assert not torch.allclose(expected[:, -1], memory_read_without_updates(mem, hidden)[:, -1])
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+def test_streamed_pieces_match_reference_including_gradients(depth):
+    """Pieces that end mid-chunk and mid-batch: single chunks whose gradient point is not the current weights."""
+    torch.manual_seed(0)
+    mem = randomise(NeuralMemory(12, 2, 4, depth=depth, expansion=2, conv_kernel=3, chunk_size=4, batch_size=12,
+                                 max_lr=0.5, max_surprise_norm=0.05, theta_bias_init=0.0).double(), 8)
+    hidden = torch.randn(2, 30, 12, dtype=torch.double)
+    probe = torch.randn(2, 30, 8, dtype=torch.double)
+    state, pieces, start = None, [], 0
+    for size in (3, 5, 1, 4, 4, 13):
+        out, state = mem(hidden[:, start:start + size], state)
+        pieces.append(out)
+        start += size
+    reads = torch.cat(pieces, 1)
+    expected = reference(mem, hidden)
+    torch.testing.assert_close(reads, expected, rtol=0, atol=1e-10)
+    for got, want in zip(param_grads(mem, reads, probe), param_grads(mem, expected, probe)):
+        torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9)
+
+
 def memory_read_without_updates(mem, hidden):
     """Reads from the initial weights only: the reference must differ from this, or the test checks nothing."""
     frozen = NeuralMemory(12, 2, 4, depth=mem.depth, expansion=2, conv_kernel=mem.conv_kernel, chunk_size=10**6,
