@@ -1,6 +1,7 @@
 """NeuralMemory against a literal per-token restatement of its definition (module docstring), plus the stream
 properties the model relies on: pieces == one pass, causality, test-time learning, long-stream stability."""
 
+import dataclasses
 import math
 
 import pytest
@@ -313,6 +314,22 @@ def test_state_save_restore_select_and_detach(tmp_path):
     torch.testing.assert_close(detached.weights[0], state.weights[0], rtol=0, atol=0)
     with pytest.raises(ValueError, match="missing"):
         MemoryState.from_state_dict({"position": torch.tensor(3)})
+
+
+def test_retrieve_reads_without_writing():
+    """retrieve == the reads of tokens fed with no convolution history into an unfinished chunk (which only read)."""
+    torch.manual_seed(0)
+    mem = randomise(NeuralMemory(16, 2, 8, chunk_size=8, conv_kernel=3, max_lr=0.5, theta_bias_init=0.0), 9)
+    _, state = mem(torch.randn(2, 16, 16))  # at a chunk boundary: the next 5 tokens only read
+    queries = torch.randn(1, 5, 16)
+    got = mem.retrieve(queries, state)
+    no_history = dataclasses.replace(state, conv_tail=torch.zeros_like(state.conv_tail))
+    for t in range(5):  # one call per query, each time from the same state: no query sees another
+        expected, _ = mem(queries[:, t:t + 1].expand(2, -1, -1), no_history)
+        torch.testing.assert_close(got[:, t:t + 1], expected, rtol=1e-5, atol=1e-6)
+    assert got.shape == (2, 5, 16) and not torch.allclose(got[0], got[1])  # rows read their own weights
+    with pytest.raises(ValueError, match="retrieve"):
+        mem.retrieve(torch.randn(3, 5, 16), state)
 
 
 def test_bad_arguments_name_the_problem():

@@ -206,6 +206,20 @@ class NeuralMemory(nn.Module):
             position=0,
         )
 
+    def retrieve(self, hidden: Tensor, state: MemoryState) -> Tensor:
+        """Read without writing: ``M_W(q)`` with the state's current weights for `hidden` [B or 1, M, hidden_size]
+        that is not part of the stream (e.g. MAC's learned memory queries). Such tokens have no history, so only
+        the convolution's current-token tap applies. Returns [B, M, H*d] in hidden's dtype."""
+        rows, H, d, inner = state.batch_size, self.num_heads, self.head_dim, self.num_heads * self.head_dim
+        if hidden.dim() != 3 or hidden.shape[-1] != self.hidden_size or hidden.shape[0] not in (1, rows):
+            raise ValueError(f"NeuralMemory.retrieve: hidden must be [1 or {rows}, tokens, {self.hidden_size}], "
+                             f"got {tuple(hidden.shape)}")
+        x = self.norm(hidden.to(self.to_qkv.weight.dtype))
+        q = F.linear(x, self.to_qkv.weight[:inner]).to(self.state_dtype) * self.conv_weight[:inner, -1].to(self.state_dtype)
+        q = F.normalize(F.silu(q.view(q.shape[0], -1, H, d).transpose(1, 2)), dim=-1).expand(rows, -1, -1, -1)
+        read = self._mlp(state.weights, q)
+        return read.transpose(1, 2).reshape(rows, -1, inner).to(hidden.dtype)
+
     # ---- the MLP, its explicit backward, and the update rule ----
     # Internal layout: rows = batch * heads, so every product is one bmm (or a 4-D matmul over the chunks of a
     # memory batch); chunks are cut with `split` (one backward node) instead of slicing (one zero-filled gradient
