@@ -3,13 +3,14 @@
 Both: multi-head memory (heads x 64), 2-layer MLP memory with expansion 4, update chunk 64, inner gradient point
 refreshed every chunk (titans-pytorch `batch_size=64`), surprise clipped to norm 1, max lr 0.1. Every case runs in a
 fresh subprocess so peak memory is that case's alone (Linux VmHWM, reset right before the first call; CUDA: peak
-allocated); timings alternate the two implementations in one process, best of --repeats rounds. Matmul FLOPs are counted analytically from the shapes (the same count for both, so the fraction of the
-machine's measured sgemm FLOP/s compares like with like). Other processes sharing the cores make timings noisy:
-read the ratios, which are measured in the same minute.
+allocated); timings alternate the two implementations in one process, best of --repeats rounds. Matmul FLOPs are
+counted analytically from the shapes (the same count for both, so the fraction of the machine's measured sgemm
+FLOP/s compares like with like). Other processes sharing the cores make timings noisy: read the ratios, which are
+measured in the same minute.
 
     python scripts/bench_memory.py --quick
     python scripts/bench_memory.py --json bench_memory.json [--threads 1]
-    python scripts/bench_memory.py --device cuda --dtype bf16 --cases d896-32k   # on a GPU machine
+    python scripts/bench_memory.py --device cuda --dtype bfloat16 --cases d896-32k   # on a GPU machine
 """
 
 from __future__ import annotations

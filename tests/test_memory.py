@@ -72,7 +72,8 @@ def reference(mem: NeuralMemory, hidden: torch.Tensor, mask: torch.Tensor | None
                     weights = [(1 - alpha) * w + s for w, s in zip(weights, momentum)]
                 if (j + 1) % chunks_per_batch == 0:
                     grad_point = weights
-    return torch.stack([torch.stack([torch.stack(row, 0) for row in rows], 0) for rows in reads], 0).reshape(B, T, H * d)
+    stacked = torch.stack([torch.stack([torch.stack(row, 0) for row in rows], 0) for rows in reads], 0)
+    return stacked.reshape(B, T, H * d)
 
 
 def param_grads(mem, reads, probe):
@@ -167,7 +168,8 @@ def test_streaming_pieces_equal_one_pass(batch):
         full, full_state = mem(hidden, mask=use_mask)
         state, pieces, start = None, [], 0
         for size in (1, 7, 64, 100):
-            out, state = mem(hidden[:, start:start + size], state, None if use_mask is None else use_mask[:, start:start + size])
+            piece_mask = None if use_mask is None else use_mask[:, start:start + size]
+            out, state = mem(hidden[:, start:start + size], state, piece_mask)
             pieces.append(out)
             start += size
         torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-5, atol=1e-5)
@@ -287,6 +289,10 @@ def test_bf16_activations_keep_fp32_state():
     assert reads16.dtype == torch.bfloat16
     assert all(t.dtype == torch.float32 for t in state.state_dict().values() if t.is_floating_point())
     torch.testing.assert_close(reads16.float(), reads32, rtol=0.05, atol=0.05)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reads_autocast, state = mem(hidden)
+    assert state.weights[0].dtype == torch.float32
+    torch.testing.assert_close(reads_autocast.float(), reads32, rtol=0.05, atol=0.05)
     mem_bf16 = randomise(NeuralMemory(16, 2, 8, chunk_size=8), 6).bfloat16()
     reads, state = mem_bf16(hidden.bfloat16())
     assert reads.dtype == torch.bfloat16 and state.weights[0].dtype == torch.float32 and torch.isfinite(reads).all()

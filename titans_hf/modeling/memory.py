@@ -215,7 +215,8 @@ class NeuralMemory(nn.Module):
             raise ValueError(f"NeuralMemory.retrieve: hidden must be [1 or {rows}, tokens, {self.hidden_size}], "
                              f"got {tuple(hidden.shape)}")
         x = self.norm(hidden.to(self.to_qkv.weight.dtype))
-        q = F.linear(x, self.to_qkv.weight[:inner]).to(self.state_dtype) * self.conv_weight[:inner, -1].to(self.state_dtype)
+        q = F.linear(x, self.to_qkv.weight[:inner]).to(self.state_dtype)
+        q = q * self.conv_weight[:inner, -1].to(self.state_dtype)
         q = F.normalize(F.silu(q.view(q.shape[0], -1, H, d).transpose(1, 2)), dim=-1).expand(rows, -1, -1, -1)
         read = self._mlp(state.weights, q)
         return read.transpose(1, 2).reshape(rows, -1, inner).to(hidden.dtype)
@@ -333,36 +334,39 @@ class NeuralMemory(nn.Module):
         q_parts = rows(F.pad(q, (0, 0, r, 0)))  # r placeholder queries: those tokens were read last call
         k_parts, kmv_parts, lr2_parts = rows(k), rows(k - v), rows(2 * lr)
 
-        flat = lambda ws: [w.reshape(BH, *w.shape[2:]) for w in ws]  # noqa: E731
-        weights, momentum = flat(state.weights), flat(state.momentum)
-        grad_point = weights if state.batch_start_weights is state.weights else flat(state.batch_start_weights)
-        reads, chunk = [], 0
-        for g, n in enumerate(groups):
-            if n == 1:
-                L = self.depth
-                out = _ChunkStep.apply(L, self.max_surprise_norm, *grad_point, *weights, *momentum, k_parts[g],
-                                       kmv_parts[g], lr2_parts[g], q_parts[g], etas[chunk], keeps[chunk])
-                reads.append(out[0])
-                weights, momentum = _keep_rows_without_tokens(out[1:L + 1], out[L + 1:], weights, momentum,
-                                                              valids[chunk])
-            else:
-                split = lambda t: t.unflatten(1, (n, C))  # noqa: E731
-                grads, scale = self._surprise([w.unsqueeze(1) for w in grad_point], split(k_parts[g]),
-                                              split(kmv_parts[g]), split(lr2_parts[g]))
-                grads = list(zip(*[g_.unbind(1) for g_ in grads]))
-                scales = [None] * n if scale is None else scale.unbind(1)
-                read_weights = []
-                for j in range(n):
-                    read_weights.append(weights)
-                    weights, momentum = self._step(weights, momentum, grads[j], scales[j], etas[chunk + j],
-                                                   keeps[chunk + j], valids[chunk + j])
-                stacked = [torch.stack(ws, dim=1) for ws in zip(*read_weights)]
-                reads.append(self._mlp(stacked, split(q_parts[g])).flatten(1, 2))
-            chunk += n
-            if (first_chunk + chunk) % m == 0:
-                grad_point = weights
-        if N > n_full * C:  # the unfinished chunk reads the latest weights and waits in the buffer
-            reads.append(self._mlp(weights, q_parts[-1]))
+        # the memory's own arithmetic stays in the state dtype even under autocast (bf16 inner gradients and
+        # updates lose the small steps that accumulate into what it remembers)
+        with torch.autocast(hidden.device.type, enabled=False):
+            flat = lambda ws: [w.reshape(BH, *w.shape[2:]) for w in ws]  # noqa: E731
+            weights, momentum = flat(state.weights), flat(state.momentum)
+            grad_point = weights if state.batch_start_weights is state.weights else flat(state.batch_start_weights)
+            reads, chunk = [], 0
+            for g, n in enumerate(groups):
+                if n == 1:
+                    L = self.depth
+                    out = _ChunkStep.apply(L, self.max_surprise_norm, *grad_point, *weights, *momentum, k_parts[g],
+                                           kmv_parts[g], lr2_parts[g], q_parts[g], etas[chunk], keeps[chunk])
+                    reads.append(out[0])
+                    weights, momentum = _keep_rows_without_tokens(out[1:L + 1], out[L + 1:], weights, momentum,
+                                                                  valids[chunk])
+                else:
+                    split = lambda t: t.unflatten(1, (n, C))  # noqa: E731
+                    grads, scale = self._surprise([w.unsqueeze(1) for w in grad_point], split(k_parts[g]),
+                                                  split(kmv_parts[g]), split(lr2_parts[g]))
+                    grads = list(zip(*[g_.unbind(1) for g_ in grads]))
+                    scales = [None] * n if scale is None else scale.unbind(1)
+                    read_weights = []
+                    for j in range(n):
+                        read_weights.append(weights)
+                        weights, momentum = self._step(weights, momentum, grads[j], scales[j], etas[chunk + j],
+                                                       keeps[chunk + j], valids[chunk + j])
+                    stacked = [torch.stack(ws, dim=1) for ws in zip(*read_weights)]
+                    reads.append(self._mlp(stacked, split(q_parts[g])).flatten(1, 2))
+                chunk += n
+                if (first_chunk + chunk) % m == 0:
+                    grad_point = weights
+            if N > n_full * C:  # the unfinished chunk reads the latest weights and waits in the buffer
+                reads.append(self._mlp(weights, q_parts[-1]))
         out = (torch.cat(reads, dim=1) if len(reads) > 1 else reads[0])[:, r:]
         out = out.view(B, H, T, d).transpose(1, 2).reshape(B, T, H * d).to(hidden.dtype)
 
