@@ -233,6 +233,15 @@ def test_chunk_checkpointing_gives_the_same_gradients(tiny_qwen3_dir):
         grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
     for name, grad in grads[0].items():
         torch.testing.assert_close(grad, grads[1][name], atol=1e-6, rtol=1e-5)
+    # the ablation's backward may run after its context exits: the recomputation must still skip the memory
+    grads = []
+    for checkpoint_chunks in (True, False):
+        model = build(tiny_qwen3_dir, checkpoint_chunks=checkpoint_chunks, freeze_base=False).train()
+        with model.memory_disabled():
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        grads.append(model.model.layers[0].mlp.down_proj.weight.grad)
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-5)
 
 
 def test_save_memory_then_load_gives_identical_logits(tmp_path, tiny_qwen3_dir, tiny_qwen2_dir):

@@ -89,8 +89,9 @@ class TitansMemoryBlock(nn.Module):
         q = F.linear(x, memory.to_qkv.weight[:inner]).to(memory.state_dtype)
         q = q * memory.conv_weight[:inner, -1].to(q.dtype)
         q = F.normalize(F.silu(q.view(-1, memory.num_heads, memory.head_dim).transpose(0, 1)), dim=-1)
+        # NeuralMemory has no public read-only call (its forward always writes); `_mlp` is M_W(z) of its docstring
         weights = state.weights
-        read = memory._mlp(weights, q.unsqueeze(0).expand(weights[0].shape[0], -1, -1, -1))[0]
+        read = memory._mlp(weights, q.unsqueeze(0).expand(weights[0].shape[0], -1, -1, -1))
         read = read.transpose(1, 2).flatten(2)  # [B, M, H*d]
         return queries + self.project(read, queries)
 
@@ -178,7 +179,17 @@ class TitansQwenPreTrainedModel(PreTrainedModel):
 
 
 class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
-    """Qwen + Titans memory. Build one with `from_base(...)`; `from_pretrained` loads a full saved model."""
+    """Qwen + Titans memory. Build one with `from_base(...)`; `from_pretrained` loads a full saved model.
+
+    Variants, at each layer in `memory_layers`:
+    - `mag`: the memory reads the layer's input in parallel with the layer; its output is added after the layer,
+      gated by the layer's output (hidden += sigmoid(gate) * W_O·read). W_O starts at zero: an untrained model
+      is exactly the base model.
+    - `mal`: the memory output is added to the residual stream before the layer (hidden += W_O·read).
+    - `mac`: every chunk starts with persistent tokens and memory tokens (learned queries read from the memory)
+      prepended at the embeddings; the layer's outputs for the chunk's tokens are written to the memory; the
+      prefix positions carry no loss.
+    """
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _is_stateful = True  # the memory cannot roll back, so assisted decoding is refused
@@ -256,7 +267,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
     def trainable_memory_state_dict(self) -> dict[str, Tensor]:
         """The memory's own parameters (memory layers, gates, persistent tokens) under their model names: exactly
         what `save_memory` writes. The backbone is never part of it."""
-        return {name: param for name, param in self.named_parameters() if not name.startswith(BASE_PREFIXES)}
+        return {name: param.detach() for name, param in self.named_parameters() if not name.startswith(BASE_PREFIXES)}
 
     def load_memory_state_dict(self, state_dict: dict[str, Tensor], strict: bool = True) -> None:
         own = self.trainable_memory_state_dict()
@@ -376,11 +387,13 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         cache: TitansCache | None,
         starts_chunk: bool,
         keep_from: int,
+        enabled: bool,
     ) -> tuple[Tensor | None, Tensor | None, dict[int, MemoryState]]:
         """Run tokens that lie inside one chunk. Returns (logits of positions >= keep_from or None, summed loss over
-        labelled positions or None, new memory states). Kept separate so it can be checkpointed as one unit."""
+        labelled positions or None, new memory states). Kept separate so it can be checkpointed as one unit; hence
+        `enabled` is an argument: the recomputation in backward may run after `memory_disabled()` has exited."""
         batch_size, length = input_ids.shape
-        variant, enabled = self.config.variant, self._memory_enabled
+        variant = self.config.variant
         hidden = self.model.embed_tokens(input_ids)
         num_prefix = 0
         new_mask = token_mask
@@ -518,6 +531,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
                 cache,
                 starts_chunk,
                 max(0, keep_start - start),
+                self._memory_enabled,
             )
             if use_checkpoint:
                 logits, piece_loss, states = checkpoint(self._forward_piece, *piece, use_reentrant=False)

@@ -1,0 +1,294 @@
+"""Benchmark TitansQwenForCausalLM against the same Qwen without memory, side by side in one run.
+
+1. Training step (forward + backward), tokens/s and peak memory: TitansQwen (`mag`, memory on one layer) vs the same
+   Qwen with the same chunking and no memory vs the plain Qwen with full attention, on a tiny config and on a
+   Qwen2.5-0.5B-shaped config with random weights. All three train every weight (freeze_base=False) so that each
+   step has the same backward to do; the frozen-base Titans step (the actual recipe) is listed as well.
+2. Peak training memory at 2, 4 and 8 chunks (tiny config, frozen base), with and without chunk checkpointing.
+3. `generate` prefill (one new token) at 8k, 32k and 128k prompt tokens: time and peak memory (tiny config).
+4. `--gpu`: the prepared device run, the 0.5B-shaped model at 32k tokens, chunk 4096, bf16.
+
+Goals: memory adds <= 25% to step time; training memory grows sub-linearly in chunks; prefill memory flat (+-10%)
+and prefill time linear from 8k to 128k.
+
+CPU peak memory is the peak resident set size above the level just before the measured call (sampled every 2 ms,
+freed heap returned to the OS first); on CUDA it is `max_memory_allocated` above the level before.
+
+    python scripts/bench_model.py --quick --json bench_model.json
+"""
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from titans_hf.modeling import TitansCache, TitansQwenConfig, TitansQwenForCausalLM  # noqa: E402
+
+TINY = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=1024)
+QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, vocab_size=151936)
+MEMORY = dict(variant="mag", memory_head_dim=64, memory_chunk_size=64)
+
+
+class PeakMemory:
+    """Peak memory above the starting level while the block runs."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peak_bytes = 0
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.start = torch.cuda.memory_allocated()
+            return self
+        _release_free_heap()
+        self.start = self.peak = _rss()
+        self.running = True
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self):
+        while self.running:
+            self.peak = max(self.peak, _rss())
+            time.sleep(0.002)
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self.peak_bytes = torch.cuda.max_memory_allocated() - self.start
+        else:
+            self.running = False
+            self.thread.join()
+            self.peak_bytes = max(self.peak, _rss()) - self.start
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _release_free_heap() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+def qwen_config(shape: dict, layers: int | None, dtype: torch.dtype) -> Qwen2Config:
+    overrides = {} if layers is None else {"num_hidden_layers": layers}
+    config = Qwen2Config(**{**shape, **overrides}, head_dim=shape["hidden_size"] // shape["num_attention_heads"],
+                         max_position_embeddings=1 << 20, tie_word_embeddings=True)
+    config._attn_implementation = "sdpa"
+    config.dtype = dtype
+    return config
+
+
+def build_models(shape: dict, layers: int | None, chunk_size: int, device, dtype, freeze_base: bool):
+    """One random Qwen, and a TitansQwen wrapping the very same modules (so the weights are identical)."""
+    torch.manual_seed(0)
+    base = Qwen2ForCausalLM(qwen_config(shape, layers, dtype)).to(device=device, dtype=dtype)
+    n_layers = base.config.num_hidden_layers
+    config = TitansQwenConfig(text_config=base.config, chunk_size=chunk_size, memory_layers=[n_layers // 2],
+                              freeze_base=freeze_base, **MEMORY)
+    config._attn_implementation = "sdpa"
+    titans = TitansQwenForCausalLM(config, backbone=base).to(device)
+    base.requires_grad_(not freeze_base)
+    return base, titans
+
+
+def peak_of_first_call(fn, device) -> int:
+    """The first call also warms up; its peak is the honest one (later calls reuse a warm allocator)."""
+    with PeakMemory(device) as peak:
+        fn()
+    return peak.peak_bytes
+
+
+def fastest_interleaved(fns: list, device, repeats: int) -> list[float]:
+    """Seconds per call of each fn, the minimum over rounds that call every fn once in turn: the machine may be
+    shared, and interleaving exposes every contender to the same contention."""
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for index, fn in enumerate(fns):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            best[index] = min(best[index], time.perf_counter() - start)
+    return best
+
+
+def train_step(model, ids, context=None):
+    def step():
+        with context() if context else _null():
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return step
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def bench_training(name, shape, layers, tokens, chunk_size, device, dtype, repeats) -> list[dict]:
+    base, titans = build_models(shape, layers, chunk_size, device, dtype, freeze_base=False)
+    base.train(), titans.train()
+    ids = torch.randint(0, shape["vocab_size"], (1, tokens), device=device)
+
+    def frozen_base_step():
+        titans.model.requires_grad_(False), titans.lm_head.requires_grad_(False)
+        train_step(titans, ids)()
+        titans.model.requires_grad_(True), titans.lm_head.requires_grad_(True)
+
+    runs = {
+        "titans mag (1 memory layer)": train_step(titans, ids),
+        "same chunking, no memory": train_step(titans, ids, titans.memory_disabled),
+        "plain qwen, full attention": train_step(base, ids),
+        "titans mag, frozen base (recipe)": frozen_base_step,
+    }
+    peaks = {label: peak_of_first_call(fn, device) for label, fn in runs.items()}
+    seconds = dict(zip(runs, fastest_interleaved(list(runs.values()), device, repeats)))
+    return [dict(bench="train_step", config=name, model=label, tokens=tokens, chunk_size=chunk_size,
+                 tokens_per_s=tokens / seconds[label], seconds=seconds[label], peak_mb=peaks[label] / 2**20)
+            for label in runs]
+
+
+def bench_chunks(chunk_size, counts, device, dtype) -> list[dict]:
+    rows = []
+    for checkpoint_chunks in (True, False):
+        _, titans = build_models(TINY, None, chunk_size, device, dtype, freeze_base=True)
+        titans.config.checkpoint_chunks = checkpoint_chunks
+        titans.train()
+        for count in counts:
+            ids = torch.randint(0, TINY["vocab_size"], (1, count * chunk_size), device=device)
+            step = train_step(titans, ids)
+            peak = peak_of_first_call(step, device)
+            (seconds,) = fastest_interleaved([step], device, 1)
+            rows.append(dict(bench="train_memory_vs_chunks", checkpoint_chunks=checkpoint_chunks, chunks=count,
+                             tokens=count * chunk_size, peak_mb=peak / 2**20, seconds=seconds))
+    return rows
+
+
+def bench_prefill(lengths, chunk_size, device, dtype) -> list[dict]:
+    rows = []
+    _, titans = build_models(TINY, None, chunk_size, device, dtype, freeze_base=True)
+    titans.eval()
+    for length in lengths:
+        ids = torch.randint(1, TINY["vocab_size"], (1, length), device=device)
+
+        def prefill():
+            with torch.no_grad():
+                out = titans.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
+                                      pad_token_id=0, return_dict_in_generate=True)
+            assert isinstance(out.cache, TitansCache)
+
+        peak = peak_of_first_call(prefill, device)
+        (seconds,) = fastest_interleaved([prefill], device, 1)
+        rows.append(dict(bench="prefill", tokens=length, chunk_size=chunk_size, seconds=seconds,
+                         tokens_per_s=length / seconds, peak_mb=peak / 2**20))
+    return rows
+
+
+def summarise(rows: list[dict]) -> dict:
+    summary = {}
+    for config in sorted({r["config"] for r in rows if r["bench"] == "train_step"}):
+        step = {r["model"]: r for r in rows if r["bench"] == "train_step" and r["config"] == config}
+        titans, chunked = step["titans mag (1 memory layer)"], step["same chunking, no memory"]
+        plain = step["plain qwen, full attention"]
+        summary[config] = dict(
+            step_time_vs_same_chunking=titans["seconds"] / chunked["seconds"],
+            step_time_vs_full_attention=titans["seconds"] / plain["seconds"],
+            peak_vs_same_chunking=titans["peak_mb"] / max(chunked["peak_mb"], 1e-9),
+        )
+    for checkpointed in (True, False):
+        chunks = [r for r in rows if r["bench"] == "train_memory_vs_chunks" and r["checkpoint_chunks"] == checkpointed]
+        if chunks:
+            summary[f"train_peak_growth_{'checkpointed' if checkpointed else 'no_checkpoint'}"] = {
+                f"{r['chunks']}_vs_{chunks[0]['chunks']}_chunks": r["peak_mb"] / max(chunks[0]["peak_mb"], 1e-9)
+                for r in chunks[1:]
+            }
+    prefill = [r for r in rows if r["bench"] == "prefill"]
+    if prefill:
+        first = prefill[0]
+        summary["prefill_vs_shortest"] = {
+            f"{r['tokens']}": dict(length_ratio=r["tokens"] / first["tokens"], time_ratio=r["seconds"] / first["seconds"],
+                                   peak_ratio=r["peak_mb"] / max(first["peak_mb"], 1e-9))
+            for r in prefill[1:]
+        }
+    return summary
+
+
+def print_table(rows: list[dict]) -> None:
+    columns = ["bench", "config", "model", "checkpoint_chunks", "chunks", "tokens", "chunk_size", "tokens_per_s",
+               "seconds", "peak_mb"]
+    shown = [c for c in columns if any(c in r for r in rows)]
+    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else ("" if v is None else str(v))  # noqa: E731
+    table = [shown] + [[fmt(r.get(c)) for c in shown] for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(shown))]
+    for line in table:
+        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes, under a minute on 2 CPU cores")
+    parser.add_argument("--json", type=Path, help="write rows and summary here")
+    parser.add_argument("--gpu", action="store_true", help="only the prepared device run (0.5B shape, 32k, bf16)")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    rows: list[dict] = []
+    if args.gpu:
+        if not torch.cuda.is_available():
+            raise SystemExit("--gpu: no CUDA device here")
+        device, dtype = torch.device("cuda"), torch.bfloat16
+        rows += bench_training("qwen2.5-0.5b shape, bf16", QWEN25_05B, None, 32768, 4096, device, dtype, repeats=3)
+    else:
+        device, dtype = torch.device("cpu"), torch.float32
+        if args.quick:
+            rows += bench_training("tiny", TINY, None, 256, 64, device, dtype, repeats=2)
+            rows += bench_training("qwen2.5-0.5b shape, 1 of 24 layers", QWEN25_05B, 1, 64, 32, device, dtype,
+                                   repeats=1)
+            rows += bench_chunks(32, (2, 4, 8), device, dtype)
+            rows += bench_prefill((512, 2048, 8192), 256, device, dtype)
+        else:
+            rows += bench_training("tiny", TINY, None, 4096, 512, device, dtype, repeats=3)
+            rows += bench_training("qwen2.5-0.5b shape", QWEN25_05B, None, 512, 128, device, dtype, repeats=2)
+            rows += bench_chunks(512, (2, 4, 8), device, dtype)
+            rows += bench_prefill((8192, 32768, 131072), 4096, device, dtype)
+
+    print_table(rows)
+    summary = summarise(rows)
+    print(json.dumps(summary, indent=2))
+    if args.json:
+        tmp = args.json.with_name(f".{args.json.name}.tmp")
+        tmp.write_text(json.dumps({"device": str(device), "threads": torch.get_num_threads(),
+                                   "load_average_at_end": os.getloadavg(), "rows": rows, "summary": summary},
+                                  indent=2))
+        os.replace(tmp, args.json)
+
+
+if __name__ == "__main__":
+    main()
