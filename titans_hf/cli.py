@@ -9,6 +9,7 @@ from pathlib import Path
 
 from titans_hf.data.babilong import add_babilong_parser
 from titans_hf.data.prepare import add_prepare_parser
+from titans_hf.evaluation import add_eval_parser
 
 
 def push(args: argparse.Namespace) -> int:
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_push_parser(subcommands)
     add_prepare_parser(subcommands)
     add_babilong_parser(subcommands)
+    add_eval_parser(subcommands)
     return parser
 
 

@@ -1,0 +1,292 @@
+"""BABILong evaluation: scoring with known answers, the recency baseline, the ablation switch, written outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from titans_hf.cli import main as cli_main
+from titans_hf.data.babilong import TASK_LABELS, generate_babilong, score_exact_match, write_babilong_json
+from titans_hf.evaluation import (
+    _prompt_ids,
+    babilong_files_by_task_length,
+    evaluate_babilong,
+    last_location_baseline,
+    last_mentioned_label,
+    score_predictions,
+)
+from titans_hf.hub import render_memory_card
+from titans_hf.modeling.modeling_titans_qwen import TitansQwenForCausalLM
+
+LOCATIONS = TASK_LABELS["qa1"]
+MEMORY_SETTINGS = dict(chunk_size=64, memory_head_dim=16, memory_chunk_size=8)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny matmuls: two intra-op threads only add synchronisation, badly so when other jobs share the cores.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _story(*facts: str) -> str:
+    return " ".join(facts)
+
+
+def _row(input_text: str, question: str, target: str) -> dict[str, str]:
+    return {"input": input_text, "question": question, "target": target}
+
+
+# ----------------------------------------------------------------------------------------------
+# Scoring on hand-made outputs
+
+
+def test_last_mentioned_label_takes_the_last_whole_word():
+    text = "Mary went to the kitchen. The officer smiled. John journeyed to the Garden. The bathrooms were closed."
+    # "officer" and "bathrooms" are not the labels office / bathroom; case is ignored
+    assert last_mentioned_label(text, LOCATIONS) == "garden"
+    assert last_mentioned_label("Nobody moved at all.", LOCATIONS) is None
+
+
+def test_last_location_baseline_on_hand_made_stories():
+    rows = [
+        # Mary moved last: the recency guess (garden) is right
+        _row(_story("John went to the office.", "Mary moved to the garden."), "Where is Mary? ", "garden"),
+        # John is asked about but Mary moved after him: recency says bedroom, the answer is hallway
+        _row(_story("John went to the hallway.", "Mary went to the bedroom."), "Where is John? ", "hallway"),
+        # the answer is mentioned last even though it was an earlier fact about someone else... and then repeated
+        _row(_story("Sandra went to the kitchen.", "Daniel went to the bathroom.", "Daniel went back to the kitchen."),
+             "Where is Daniel? ", "kitchen"),
+        _row(_story("Daniel went to the office.", "Sandra travelled to the bathroom."), "Where is Daniel? ", "office"),
+    ]
+    baseline = last_location_baseline(rows, LOCATIONS)
+    assert baseline == {"accuracy": 0.5, "num_not_last_location": 2}
+
+
+def test_score_predictions_on_hand_made_outputs():
+    rows = [
+        _row("John went to the office. Mary moved to the garden.", "Where is Mary? ", "garden"),
+        _row("John went to the hallway. Mary went to the bedroom.", "Where is John? ", "hallway"),
+        _row("Sandra went to the kitchen. Daniel went to the bathroom.", "Where is Sandra? ", "kitchen"),
+        _row("Daniel went to the office. Sandra travelled to the bathroom.", "Where is Daniel? ", "office"),
+    ]
+    predictions = [
+        " Garden.\nQuestion",          # first word right (case, punctuation ignored); only label named
+        " the hallway",                 # first word wrong; the only label named is right
+        " kitchen or bathroom",         # first word right; two labels named -> substring wrong
+        " bathroom",                    # wrong on both
+    ]
+    scores = score_predictions(rows, predictions, LOCATIONS)
+    assert scores["exact_match"] == 0.5
+    assert scores["label_substring"] == 0.5
+    # rows 2, 3 and 4 have an answer other than the last location named; of those only row 3 is an exact match
+    assert scores["exact_match_not_last_location"] == pytest.approx(1 / 3)
+    # every answer is the last location named: the subset is empty, which is not a zero
+    only_recent = score_predictions(rows[:1], [" garden"], LOCATIONS)
+    assert only_recent["exact_match_not_last_location"] is None
+    with pytest.raises(ValueError, match="2 rows but 1 predictions"):
+        score_predictions(rows[:2], [" garden"], LOCATIONS)
+
+
+def test_babilong_files_are_keyed_by_folder_and_stem(tmp_path):
+    row = _row("Mary went to the kitchen.", "Where is Mary? ", "kitchen")
+    first = write_babilong_json([row], tmp_path / "qa1" / "32k.json")
+    second = write_babilong_json([row], tmp_path / "qa2" / "0k.json")
+    assert babilong_files_by_task_length([first, second]) == {("qa1", "32k"): first, ("qa2", "0k"): second}
+    stray = write_babilong_json([row], tmp_path / "stories" / "32k.json")
+    with pytest.raises(ValueError, match="stories.*must be one of"):
+        babilong_files_by_task_length([stray])
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        babilong_files_by_task_length([tmp_path / "qa1" / "missing.json"])
+
+
+# ----------------------------------------------------------------------------------------------
+# The ablation switch
+
+
+def _memory_model(base_dir, seed: int = 0, **settings) -> TitansQwenForCausalLM:
+    """A TitansQwen whose memory path contributes: W_O set non-zero (it starts at zero, which adds nothing)."""
+    model = TitansQwenForCausalLM.from_base(base_dir, **{**MEMORY_SETTINGS, **settings}).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for block in model.memory.values():
+            block.output_weight.copy_(torch.randn(block.output_weight.shape, generator=generator))
+    return model
+
+
+def test_memory_disabled_gives_exactly_the_base_models_logits(tiny_qwen3_dir):
+    base = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir).eval()
+    model = _memory_model(tiny_qwen3_dir)
+    chunk = MEMORY_SETTINGS["chunk_size"]
+    input_ids = torch.randint(0, base.config.vocab_size, (2, 2 * chunk), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        with_memory = model(input_ids).logits
+        with model.memory_disabled():
+            without_memory = model(input_ids).logits
+        after = model(input_ids).logits
+        # attention is chunk-local, positions restart per chunk: the base model run on each chunk on its own
+        base_per_chunk = torch.cat([base(input_ids[:, :chunk]).logits, base(input_ids[:, chunk:]).logits], dim=1)
+    assert torch.equal(without_memory, base_per_chunk)
+    # the memory path is live: every chunk differs, the first one too (it reads the initial fast weights)
+    assert not torch.allclose(with_memory[:, :chunk], base_per_chunk[:, :chunk], atol=1e-3)
+    assert not torch.allclose(with_memory[:, chunk:], base_per_chunk[:, chunk:], atol=1e-3)
+    # the switch is a context: leaving it restores the memory
+    assert torch.equal(after, with_memory)
+
+
+def test_evaluation_without_memory_answers_as_the_base_model(tiny_qwen3_dir, tmp_path):
+    """The no-memory answers are the base Qwen's greedy answers (its own generate and cache), row by row; the
+    prompts fit one chunk, so the base sees exactly what the chunked model sees."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    base = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir).eval()
+    model = _memory_model(tiny_qwen3_dir, chunk_size=128)
+    rows = generate_babilong("qa1", 4, 0, tokenizer, seed=5)  # length 0: the bare story
+    results = evaluate_babilong(model, tokenizer, {("qa1", 0): rows}, max_new_tokens=3, output_dir=tmp_path,
+                                show_progress=False)
+    assert results["details"]["qa1"]["0"]["prompt_tokens"]["max"] + 3 <= 128
+    lines = [json.loads(line) for line in (tmp_path / "predictions.jsonl").read_text().splitlines()]
+    assert [line["index"] for line in lines] == [0, 1, 2, 3]
+    greedy = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                              pad_token_id=tokenizer.pad_token_id)
+    for line, row in zip(lines, rows):
+        ids = torch.tensor([_prompt_ids(row, tokenizer)])
+        assert tokenizer.decode(ids[0]).endswith(f"Question: {row['question']}\nAnswer:")
+        out = base.generate(ids, attention_mask=torch.ones_like(ids), generation_config=greedy)
+        assert line["no_memory"] == tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        assert line["target"] == row["target"]
+        assert line["last_location"] == last_mentioned_label(row["input"], LOCATIONS)
+    assert any(line["memory"] != line["no_memory"] for line in lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Written outputs on a tiny untrained model
+
+
+def test_results_json_heatmap_and_predictions_are_written(tiny_qwen3_dir, tmp_path):
+    import matplotlib.image
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    model = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, **MEMORY_SETTINGS)
+    model.train()  # evaluation switches to eval mode and hands the model back as it found it
+    data = {
+        ("qa1", 96): generate_babilong("qa1", 5, 96, tokenizer, seed=1),
+        ("qa1", 192): generate_babilong("qa1", 4, 192, tokenizer, seed=1),
+        ("qa2", 192): generate_babilong("qa2", 3, 192, tokenizer, seed=1),  # no qa2 at 96: an empty cell
+    }
+    results = evaluate_babilong(model, tokenizer, data, max_new_tokens=3, batch_size=2, output_dir=tmp_path,
+                                show_progress=False)
+    assert model.training
+
+    written = json.loads((tmp_path / "results.json").read_text())
+    assert written == results
+    assert list(written["accuracy"]) == ["qa1", "qa2"] and list(written["accuracy"]["qa1"]) == ["96", "192"]
+    lines = [json.loads(line) for line in (tmp_path / "predictions.jsonl").read_text().splitlines()]
+    assert len(lines) == 5 + 4 + 3
+    for (task, length), rows in data.items():
+        cell = written["details"][task][str(length)]
+        answers = [line for line in lines if line["task"] == task and line["length"] == str(length)]
+        assert cell["num_samples"] == len(rows) == len(answers)
+        # W_O is zero in an untrained model: the memory adds nothing, so both passes answer alike
+        assert [a["memory"] for a in answers] == [a["no_memory"] for a in answers]
+        for mode in ("memory", "no_memory"):
+            expected = score_predictions(rows, [a[mode] for a in answers], TASK_LABELS[task])
+            assert cell[mode] == expected
+            assert written["accuracy"][task][str(length)][mode] == expected["exact_match"]
+        assert cell["last_location_baseline"] == last_location_baseline(rows, TASK_LABELS[task])["accuracy"]
+        assert cell["chance"] == pytest.approx(1 / 6)
+        assert cell["prompt_tokens"]["max"] > length  # prompt = input + question: longer than the input
+    # the model card renders this results dict as its table
+    card = render_memory_card(model.memory_config_dict(), written)
+    assert "qa2" in card and "192" in card
+
+    image = matplotlib.image.imread(tmp_path / "heatmap.png")
+    assert image.ndim == 3 and image.shape[0] > 50 and image.shape[1] > 100
+    assert sorted(os.listdir(tmp_path)) == ["heatmap.png", "predictions.jsonl", "results.json"]  # no temp files left
+
+
+def test_batched_answers_equal_one_row_at_a_time(tiny_qwen3_dir, tmp_path):
+    from collections import Counter
+
+    from conftest import PROSE
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    model = _memory_model(tiny_qwen3_dir, seed=2)
+    # same template, other names (one token each): prompts of equal length, over two chunks, batched together
+    rows = [
+        _row(f"{PROSE[0]} {actor} went to the {first}. {PROSE[1]} {PROSE[2]} John moved to the {second}. {PROSE[3]}",
+             f"Where is {actor}? ", first)
+        for actor, first, second in [("Mary", "kitchen", "garden"), ("Sandra", "office", "hallway"),
+                                     ("Daniel", "bedroom", "bathroom"), ("Mary", "garden", "office"),
+                                     ("Sandra", "hallway", "kitchen")]
+    ] + generate_babilong("qa1", 3, 72, tokenizer, seed=4)  # and some of other lengths
+    lengths = Counter(len(_prompt_ids(row, tokenizer)) for row in rows)
+    assert max(lengths.values()) == 5 and max(lengths) > MEMORY_SETTINGS["chunk_size"]
+    data = {("qa1", 72): rows}
+    one = evaluate_babilong(model, tokenizer, data, max_new_tokens=3, batch_size=1, output_dir=tmp_path / "one",
+                            show_progress=False)
+    many = evaluate_babilong(model, tokenizer, data, max_new_tokens=3, batch_size=4, output_dir=tmp_path / "many",
+                             show_progress=False)
+    assert one == many
+    answers = (tmp_path / "one" / "predictions.jsonl").read_text()
+    assert answers == (tmp_path / "many" / "predictions.jsonl").read_text()
+    assert len(set(json.loads(line)["memory"] for line in answers.splitlines())) > 1  # not one constant answer
+
+
+def test_bad_inputs_are_refused(tiny_qwen3_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    base = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir)
+    row = _row("Mary went to the kitchen.", "Where is Mary? ", "kitchen")
+    with pytest.raises(ValueError, match="memory_disabled"):
+        evaluate_babilong(base, tokenizer, {("qa1", 8): [row]}, show_progress=False)
+    model = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, **MEMORY_SETTINGS)
+    with pytest.raises(ValueError, match="'qa9'"):
+        evaluate_babilong(model, tokenizer, {("qa9", 8): [row]}, show_progress=False)
+    with pytest.raises(ValueError, match="row 0 lacks \\['target'\\]"):
+        evaluate_babilong(model, tokenizer, {("qa1", 8): [{"input": "x", "question": "y"}]}, show_progress=False)
+    with pytest.raises(ValueError, match="batch_size=0"):
+        evaluate_babilong(model, tokenizer, {("qa1", 8): [row]}, batch_size=0, show_progress=False)
+    # the plain model is fine without the ablation: one column
+    results = evaluate_babilong(base, tokenizer, {("qa1", 8): [row]}, max_new_tokens=2, ablation=False,
+                                show_progress=False)
+    assert list(results["accuracy"]["qa1"]["8"]) == ["memory"]
+
+
+# ----------------------------------------------------------------------------------------------
+# titans-hf eval
+
+
+def test_eval_command_on_generated_rows_and_on_files(tiny_qwen3_dir, tmp_path, capsys):
+    model = _memory_model(tiny_qwen3_dir)
+    memory_dir = model.save_memory(tmp_path / "memory")
+
+    # a save_memory folder alone: its config names the base
+    out = tmp_path / "generated"
+    assert cli_main(["eval", "--model", str(memory_dir), "--generate", "--tasks", "qa1", "--lengths", "72", "96",
+                     "--num-samples", "2", "--max-new-tokens", "2", "--output", str(out)]) == 0
+    generated = json.loads((out / "results.json").read_text())
+    assert list(generated["accuracy"]["qa1"]) == ["72", "96"]
+    assert (out / "heatmap.png").stat().st_size > 0
+    assert "wrote" in capsys.readouterr().out
+
+    # base + --memory on a BABILong file laid out as TASK/LENGTH.json
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    data_file = write_babilong_json(generate_babilong("qa1", 2, 72, tokenizer, seed=1), tmp_path / "qa1" / "72.json")
+    before = data_file.read_bytes()
+    out = tmp_path / "files"
+    assert cli_main(["eval", "--model", str(tiny_qwen3_dir), "--memory", str(memory_dir), "--data", str(data_file),
+                     "--max-new-tokens", "2", "--output", str(out)]) == 0
+    from_file = json.loads((out / "results.json").read_text())
+    # the same seed, task and length: the same rows, the same memory, the same answers
+    assert from_file["accuracy"]["qa1"]["72"] == generated["accuracy"]["qa1"]["72"]
+    assert data_file.read_bytes() == before
+
+    with pytest.raises(ValueError, match="without a memory"):
+        cli_main(["eval", "--model", str(tiny_qwen3_dir), "--generate", "--lengths", "72", "--output", str(out)])
+    with pytest.raises(ValueError, match="needs --lengths"):
+        cli_main(["eval", "--model", str(memory_dir), "--generate", "--output", str(out)])
