@@ -284,7 +284,16 @@ def test_eval_command_on_generated_rows_and_on_files(tiny_qwen3_dir, tmp_path, c
     from_file = json.loads((out / "results.json").read_text())
     # the same seed, task and length: the same rows, the same memory, the same answers
     assert from_file["accuracy"]["qa1"]["72"] == generated["accuracy"]["qa1"]["72"]
+    file_answers = (out / "predictions.jsonl").read_text().splitlines()
+    assert file_answers == (tmp_path / "generated" / "predictions.jsonl").read_text().splitlines()[:2]
     assert data_file.read_bytes() == before
+
+    # a full save_pretrained folder of the TitansQwen, with the tokenizer named apart
+    model.save_pretrained(tmp_path / "full")
+    out = tmp_path / "full_model"
+    assert cli_main(["eval", "--model", str(tmp_path / "full"), "--tokenizer", str(tiny_qwen3_dir), "--data",
+                     str(data_file), "--max-new-tokens", "2", "--output", str(out)]) == 0
+    assert (out / "predictions.jsonl").read_text().splitlines() == file_answers
 
     with pytest.raises(ValueError, match="without a memory"):
         cli_main(["eval", "--model", str(tiny_qwen3_dir), "--generate", "--lengths", "72", "--output", str(out)])

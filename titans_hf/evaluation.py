@@ -417,7 +417,7 @@ def add_eval_parser(subcommands) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--data", nargs="+", help="BABILong JSON files laid out as TASK/LENGTH.json, e.g. qa1/32k.json")
     source.add_argument("--generate", action="store_true", help="generate rows offline (--tasks, --lengths)")
-    parser.add_argument("--tasks", nargs="+", default=["qa1"], choices=sorted(TASK_LABELS))
+    parser.add_argument("--tasks", nargs="+", default=["qa1"], choices=sorted(TASK_LABELS), help="(--generate)")
     parser.add_argument("--lengths", nargs="+", type=int, default=None, help="input lengths in tokens (--generate)")
     parser.add_argument("--num-samples", type=int, default=100, help="rows per task and length (--generate)")
     parser.add_argument("--seed", type=int, default=1, help="generation seed; use one the training data did not")
@@ -426,7 +426,8 @@ def add_eval_parser(subcommands) -> None:
     parser.add_argument("--batch-size", type=int, default=1, help="rows per generate call (equal prompt lengths only)")
     parser.add_argument("--no-ablation", action="store_true", help="skip the pass with the memory switched off")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default=None, help="e.g. cuda or cpu (default: where the model loads)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else None,
+                        help="e.g. cuda or cpu (default: cuda when there is one)")
     parser.add_argument("--output", required=True, help="folder for results.json, heatmap.png, predictions.jsonl")
     parser.set_defaults(func=_eval_command)
 
