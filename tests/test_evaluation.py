@@ -120,9 +120,10 @@ def _memory_model(base_dir, seed: int = 0, **settings) -> TitansQwenForCausalLM:
     return model
 
 
-def test_memory_disabled_gives_exactly_the_base_models_logits(tiny_qwen3_dir):
+@pytest.mark.parametrize("variant", ["mag", "mal"])
+def test_memory_disabled_gives_exactly_the_base_models_logits(tiny_qwen3_dir, variant):
     base = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir).eval()
-    model = _memory_model(tiny_qwen3_dir)
+    model = _memory_model(tiny_qwen3_dir, variant=variant)
     chunk = MEMORY_SETTINGS["chunk_size"]
     input_ids = torch.randint(0, base.config.vocab_size, (2, 2 * chunk), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
