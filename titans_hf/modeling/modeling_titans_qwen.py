@@ -74,25 +74,13 @@ class TitansMemoryBlock(nn.Module):
         update = gate * F.linear(read.to(dtype), self.output_weight)
         return layer_output + update.to(layer_output.dtype)
 
-    def memory_tokens(self, state: MemoryState | None, batch_size: int, enabled: bool) -> Tensor:
-        """MAC memory tokens [B, M, hidden]: learned queries plus W_O·(what the memory returns for them).
-
-        A pure read of the current weights: the queries are not part of the stream, so they neither write nor see
-        the convolution's previous tokens (only its current-token tap applies, as for a token with zero history).
-        """
+    def memory_tokens(self, state: MemoryState, batch_size: int, enabled: bool) -> Tensor:
+        """MAC memory tokens [B, M, hidden]: learned queries plus W_O·(what the memory returns for them), a pure
+        read of the current weights (the queries are not part of the stream: they never write)."""
         queries = self.memory_queries.unsqueeze(0).expand(batch_size, -1, -1)
         if not enabled:
             return queries
-        memory = self.neural_memory
-        inner = memory.num_heads * memory.head_dim
-        x = memory.norm(self.memory_queries.to(memory.to_qkv.weight.dtype))
-        q = F.linear(x, memory.to_qkv.weight[:inner]).to(memory.state_dtype)
-        q = q * memory.conv_weight[:inner, -1].to(q.dtype)
-        q = F.normalize(F.silu(q.view(-1, memory.num_heads, memory.head_dim).transpose(0, 1)), dim=-1)
-        # NeuralMemory has no public read-only call (its forward always writes); `_mlp` is M_W(z) of its docstring
-        weights = state.weights
-        read = memory._mlp(weights, q.unsqueeze(0).expand(weights[0].shape[0], -1, -1, -1))
-        read = read.transpose(1, 2).flatten(2)  # [B, M, H*d]
+        read = self.neural_memory.retrieve(self.memory_queries.unsqueeze(0), state)
         return queries + self.project(read, queries)
 
 
