@@ -342,10 +342,12 @@ class NeuralMemory(nn.Module):
             grad_point = weights if state.batch_start_weights is state.weights else flat(state.batch_start_weights)
             reads, chunk = [], 0
             for g, n in enumerate(groups):
-                if n == 1:
+                if n == 1 and grad_point is weights:  # the paper's rule: reads and surprise share W_{j-1}
                     L = self.depth
-                    out = _ChunkStep.apply(L, self.max_surprise_norm, *grad_point, *weights, *momentum, k_parts[g],
-                                           kmv_parts[g], lr2_parts[g], q_parts[g], etas[chunk], keeps[chunk])
+                    out = _ChunkStep.apply(L, self.max_surprise_norm, *weights, *momentum,
+                                           torch.cat([q_parts[g], k_parts[g]], 1),
+                                           torch.cat([q_parts[g], kmv_parts[g]], 1), lr2_parts[g], etas[chunk],
+                                           keeps[chunk])
                     reads.append(out[0])
                     weights, momentum = _keep_rows_without_tokens(out[1:L + 1], out[L + 1:], weights, momentum,
                                                                   valids[chunk])
@@ -426,43 +428,40 @@ class _SiluDerivative(torch.autograd.Function):
         return grad_upstream, grad_pre
 
 
-def _silu_parts(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """sigmoid(z), silu(z) = z s and silu'(z) = s + silu(z) (1 - s), sharing one sigmoid."""
-    s = torch.sigmoid(z)
-    act = z * s
-    return s, act, torch.addcmul(s, act, 1 - s)
-
-
 def _dot(a: Tensor, b: Tensor) -> Tensor:
     """Per-row inner product of two [rows, m, n] tensors, as [rows, 1, 1] (batched GEMV is ten times slower)."""
     return torch.linalg.vecdot(a.flatten(1), b.flatten(1))[:, None, None]
 
 
 class _ChunkStep(torch.autograd.Function):
-    """One update chunk as a single autograd node: read M_W(q), surprise G at the point P, clipped momentum step.
+    """One update chunk whose reads and surprise both use the current weights W (every chunk under the default
+    ``batch_size = chunk_size``), as a single autograd node.
 
-    Inputs ``(depth, clip, *P, *W, *S, k, k - v, 2 theta, q, eta, 1 - alpha)``, rows = batch * heads; outputs
-    ``(read, *W_new, *S_new)``. The backward is the exact reverse of the written-out inner backprop (second
-    derivatives of silu included). One node instead of ~60 tiny ones per chunk made the outer backward 2-3x faster;
-    saving only each hidden layer's sigmoid and activation (recomputing the cheap rest) keeps it small.
+    Inputs ``(depth, clip, *W, *S, [q; k], [q; k - v], 2 theta, eta, 1 - alpha)``, rows = batch * heads; outputs
+    ``(read, *W_new, *S_new)``. Queries and keys go through the MLP as one [2C, d] block, and its backward is one
+    block too, with the extra terms of the written-out inner backprop (second derivatives of silu included) added
+    on the key rows. One node instead of ~60 tiny ones per chunk made the outer backward 2-3x faster; saving only
+    W, S and G (the activations are recomputed) keeps it small.
     """
 
     @staticmethod
     def forward(ctx, depth: int, clip: float | None, *tensors: Tensor):
-        P, W, S = tensors[:depth], tensors[depth:2 * depth], tensors[2 * depth:3 * depth]
-        k, kmv, lr2, q, eta, keep = tensors[3 * depth:]
-        acts, sigmoids, slopes = [k], [], []
-        for p in P[:-1]:
-            s, act, slope = _silu_parts(acts[-1] @ p)
-            sigmoids.append(s)
-            acts.append(act)
-            slopes.append(slope)
-        err = torch.baddbmm(kmv, acts[-1], P[-1])  # M_P(k) - v
+        W, S = tensors[:depth], tensors[depth:2 * depth]
+        qk, qkmv, lr2, eta, keep = tensors[2 * depth:]
+        C = lr2.shape[1]
+        acts, sigmoids = [qk], []
+        for w in W[:-1]:
+            z = acts[-1] @ w
+            sigmoids.append(torch.sigmoid(z))
+            acts.append(z.mul_(sigmoids[-1]))
+        out = torch.baddbmm(qkmv, acts[-1], W[-1])  # rows :C the read M_W(q), rows C: M_W(k) - v
+        err = out[:, C:]
         delta = err * lr2.unsqueeze(-1)
-        grads = [acts[-1].transpose(1, 2) @ delta]
+        grads = [acts[-1][:, C:].transpose(1, 2) @ delta]
         for i in range(depth - 2, -1, -1):
-            delta = (delta @ P[i + 1].transpose(1, 2)).mul_(slopes[i])
-            grads.append(acts[i].transpose(1, 2) @ delta)
+            s = sigmoids[i][:, C:]
+            delta = (delta @ W[i + 1].transpose(1, 2)).mul_(torch.addcmul(s, acts[i + 1][:, C:], 1 - s))  # silu'
+            grads.append(acts[i][:, C:].transpose(1, 2) @ delta)
         grads = grads[::-1]
         norm = scale = None
         if clip is not None:
@@ -472,28 +471,19 @@ class _ChunkStep(torch.autograd.Function):
         else:
             new_S = [torch.sub(eta * s, g) for s, g in zip(S, grads)]
         new_W = [torch.addcmul(s, keep, w) for w, s in zip(W, new_S)]
-        b = q
-        for w in W[:-1]:
-            b = F.silu(b @ w)
-        read = torch.baddbmm(q, b, W[-1])
         ctx.depth, ctx.clip = depth, clip
-        # saved: inputs, err, and per hidden layer its sigmoid and activation; the rest is recomputed in backward
-        ctx.save_for_backward(*tensors, err, *sigmoids, *acts[1:],
-                              *(grads if clip is not None else ()), *((norm, scale) if clip is not None else ()))
-        return (read, *new_W, *new_S)
+        ctx.save_for_backward(*W, *S, qk, lr2, eta, keep, err,
+                              *((*grads, norm, scale) if clip is not None else ()))
+        return (out[:, :C], *new_W, *new_S)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_read: Tensor | None, *g_out: Tensor | None):
         L, clip = ctx.depth, ctx.clip
-        saved = list(ctx.saved_tensors)
-        P, W, S = saved[:L], saved[L:2 * L], saved[2 * L:3 * L]
-        k, kmv, lr2, q, eta, keep, err = saved[3 * L:3 * L + 7]
-        h = L - 1  # hidden layers
-        pos = 3 * L + 7
-        sigmoids, acts = saved[pos:pos + h], saved[pos + h:pos + 2 * h]
-        rest = saved[pos + 2 * h:]
-        acts = [k, *acts]
+        saved = ctx.saved_tensors
+        W, S = saved[:L], saved[L:2 * L]
+        qk, lr2, eta, keep, err = saved[2 * L:2 * L + 5]
+        C = lr2.shape[1]
         gW_new = [torch.zeros_like(w) if g is None else g for g, w in zip(g_out[:L], W)]
         gS_new = [torch.zeros_like(s) if g is None else g for g, s in zip(g_out[L:], S)]
 
@@ -506,61 +496,52 @@ class _ChunkStep(torch.autograd.Function):
         if clip is None:
             gG = [-g for g in gS_total]
         else:
-            grads, (norm, scale) = rest[:L], rest[L:]
+            grads, (norm, scale) = saved[2 * L + 5:3 * L + 5], saved[3 * L + 5:]
             gG = [g * -scale for g in gS_total]
             g_scale = -sum(_dot(g, G) for g, G in zip(gS_total, grads))
             # scale = clip / norm where norm > clip: d scale / d G = -clip G / norm^3
             coef = torch.where(norm > clip, g_scale * -clip / norm.clamp(min=clip) ** 3, 0.0)
             gG = [g.addcmul_(coef, G) for g, G in zip(gG, grads)]
 
-        # reverse of the inner backprop; index i = layer, acts[i] its input, delta[i] the gradient at its output
+        # recompute the hidden activations of all 2C rows; silu' = s + a (1 - s), silu'' = s + silu' (1 - 2 s)
+        acts, sigmoids = [qk], []
+        for w in W[:-1]:
+            z = acts[-1] @ w
+            sigmoids.append(torch.sigmoid(z))
+            acts.append(z.mul_(sigmoids[-1]))
         slopes = [torch.addcmul(s, a, 1 - s) for s, a in zip(sigmoids, acts[1:])]
-        delta, u = [None] * (L - 1) + [err * lr2.unsqueeze(-1)], [None] * h
+        key = lambda t: t[:, C:]  # noqa: E731
+
+        # reverse of the inner backprop on the key rows; layer i: input acts[i], output gradient delta[i]
+        delta, u = [None] * (L - 1) + [err * lr2.unsqueeze(-1)], [None] * (L - 1)
         for i in range(L - 2, -1, -1):
-            u[i] = delta[i + 1] @ P[i + 1].transpose(1, 2)
-            delta[i] = u[i] * slopes[i]
-        g_acts, g_delta, gP, g_pres = [None] * L, [None] * L, [None] * L, [None] * h
+            u[i] = delta[i + 1] @ W[i + 1].transpose(1, 2)
+            delta[i] = u[i] * key(slopes[i])
+        g_acts_extra, g_pre_extra, g_delta = [None] * L, [None] * (L - 1), [None] * L
         for i in range(L):
-            g_acts[i] = delta[i] @ gG[i].transpose(1, 2)
+            g_acts_extra[i] = delta[i] @ gG[i].transpose(1, 2)
             if g_delta[i] is None:
-                g_delta[i] = acts[i] @ gG[i]
+                g_delta[i] = key(acts[i]) @ gG[i]
             else:
-                g_delta[i].baddbmm_(acts[i], gG[i])
+                g_delta[i].baddbmm_(key(acts[i]), gG[i])
             if i < L - 1:
-                second = torch.addcmul(sigmoids[i], slopes[i], sigmoids[i] * -2 + 1)  # silu'' = s + silu' (1 - 2s)
-                g_pres[i] = second.mul_(u[i]).mul_(g_delta[i])
-                g_u = g_delta[i].mul_(slopes[i])
-                g_delta[i + 1] = g_u @ P[i + 1]
-                gP[i + 1] = g_u.transpose(1, 2) @ delta[i + 1]
+                s, slope = key(sigmoids[i]), key(slopes[i])
+                g_pre_extra[i] = torch.addcmul(s, slope, s * -2 + 1).mul_(u[i]).mul_(g_delta[i])
+                g_u = g_delta[i].mul_(slope)
+                g_delta[i + 1] = g_u @ W[i + 1]
+                gW[i + 1].baddbmm_(g_u.transpose(1, 2), delta[i + 1])
         g_lr2 = (g_delta[L - 1] * err).sum(-1)
         g_err = g_delta[L - 1].mul_(lr2.unsqueeze(-1))
-        g_acts[L - 1].baddbmm_(g_err, P[L - 1].transpose(1, 2))
-        if gP[L - 1] is None:
-            gP[L - 1] = acts[L - 1].transpose(1, 2) @ g_err
-        else:
-            gP[L - 1].baddbmm_(acts[L - 1].transpose(1, 2), g_err)
-        for i in range(L - 2, -1, -1):
-            g_pres[i].addcmul_(g_acts[i + 1], slopes[i])
-            g_acts[i].baddbmm_(g_pres[i], P[i].transpose(1, 2))
-            if gP[i] is None:
-                gP[i] = acts[i].transpose(1, 2) @ g_pres[i]
-            else:
-                gP[i].baddbmm_(acts[i].transpose(1, 2), g_pres[i])
 
-        # the read: r = q + b_{L-1} W_L, b_i = silu(y_i)
-        g_q = None
-        if g_read is not None:
-            read_sigmoids, read_acts = [], [q]
-            for w in W[:-1]:
-                y = read_acts[-1] @ w
-                read_sigmoids.append(torch.sigmoid(y))
-                read_acts.append(y.mul_(read_sigmoids[-1]))
-            g_b = g_read @ W[L - 1].transpose(1, 2)
-            gW[L - 1].baddbmm_(read_acts[L - 1].transpose(1, 2), g_read)
-            for i in range(L - 2, -1, -1):
-                s = read_sigmoids[i]
-                g_y = g_b.mul_(torch.addcmul(s, read_acts[i + 1], 1 - s))
-                gW[i].baddbmm_(read_acts[i].transpose(1, 2), g_y)
-                g_b = g_y @ W[i].transpose(1, 2)
-            g_q = g_b.add_(g_read)
-        return (None, None, *gP, *gW, *gS, g_acts[0], g_err, g_lr2, g_q, g_eta, g_keep)
+        # one MLP backward for both blocks: upstream [g_read; g_err], key rows carrying the extra terms
+        g_top = torch.cat([torch.zeros_like(g_err) if g_read is None else g_read, g_err], 1)
+        gW[L - 1].baddbmm_(acts[L - 1].transpose(1, 2), g_top)
+        g_a = g_top @ W[L - 1].transpose(1, 2)
+        key(g_a).add_(g_acts_extra[L - 1])
+        for i in range(L - 2, -1, -1):
+            g_pre = g_a.mul_(slopes[i])
+            key(g_pre).add_(g_pre_extra[i])
+            gW[i].baddbmm_(acts[i].transpose(1, 2), g_pre)
+            g_a = g_pre @ W[i].transpose(1, 2)
+            key(g_a).add_(g_acts_extra[i])
+        return (None, None, *gW, *gS, g_a, g_top, g_lr2, g_eta, g_keep)
