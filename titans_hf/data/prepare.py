@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import multiprocessing
 import os
 import re
 import shutil
+from multiprocessing.pool import ThreadPool
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -259,7 +261,7 @@ def _batches(units: Iterator[tuple[Any, int]], train_type: str, batch_size: int)
 
 
 def _ordered_map(pool, function, items: Iterable[Any], lookahead: int) -> Iterator[Any]:
-    """`pool.imap` with at most `lookahead` batches in flight: imap would read the whole input ahead."""
+    """`pool.imap` with at most `lookahead` batches in flight (imap would read the whole input ahead)."""
     pending: collections.deque = collections.deque()
     for item in items:
         pending.append(pool.apply_async(function, (item,)))
@@ -353,13 +355,14 @@ def prepare(
 
     writers: list[StoreWriter] = []
     finished: list[Path] = []
-    pool = None
+    # With one process, a thread still encodes batch k+1 (the Rust tokenizer releases the GIL)
+    # while this thread parses the input and writes batch k.
+    if num_proc > 1:
+        pool, encode = multiprocessing.Pool(num_proc, initializer=_init_worker, initargs=(str(tokenizer),)), _encode_batch
+    else:
+        pool, encode = ThreadPool(1), functools.partial(_encode_batch, tokenizer=tok)
     try:
-        if num_proc > 1:
-            pool = multiprocessing.Pool(num_proc, initializer=_init_worker, initargs=(str(tokenizer),))
-            encoded_batches = _ordered_map(pool, _encode_batch, batches, lookahead=2 * num_proc)
-        else:
-            encoded_batches = (_encode_batch(batch, tok) for batch in batches)
+        encoded_batches = _ordered_map(pool, encode, batches, lookahead=2 * num_proc)
         writer = None
         for encoded_batch, chars in encoded_batches:
             for encoded in encoded_batch:
@@ -386,9 +389,8 @@ def prepare(
         raise
     finally:
         progress.close()
-        if pool is not None:
-            pool.terminate()
-            pool.join()
+        pool.terminate()
+        pool.join()
 
 
 def run_prepare(args: argparse.Namespace) -> int:
