@@ -155,7 +155,8 @@ def run_case(spec: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="d256-2k only, two timed rounds (< 1 minute)")
+    parser.add_argument("--quick", action="store_true",
+                        help="d256-2k forward+backward only, two timed rounds (< 1 minute)")
     parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=["d256-2k", "d256-8k", "d896-4k"])
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--repeats", type=int, default=3)
@@ -167,21 +168,22 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return
+    modes = MODES
     if args.quick:
-        args.cases, args.repeats = ["d256-2k"], 2
+        args.cases, args.repeats, modes = ["d256-2k"], 2, ("forward+backward",)
 
     from tqdm import tqdm
 
     peak = sgemm_gflops(args.threads, args.device, args.dtype)
     common = dict(threads=args.threads, repeats=args.repeats, device=args.device, dtype=args.dtype)
     specs = [dict(CASES[name], case=name, mode=mode, impl=impl, **common)
-             for name in args.cases for mode in MODES for impl in ("both", *IMPLS)]
+             for name in args.cases for mode in modes for impl in ("both", *IMPLS)]
     done = {}
     for spec in tqdm(specs, desc="bench_memory", unit="run"):
         done[spec["case"], spec["mode"], spec["impl"]] = run_case(spec)
     results = []
     for name in args.cases:
-        for mode in MODES:
+        for mode in modes:
             timing = done[name, mode, "both"]
             for impl in IMPLS:
                 res = dict(done[name, mode, impl])
@@ -206,7 +208,7 @@ def main() -> None:
     by_key = {(r["case"], r["mode"], r["impl"]): r for r in results if "error" not in r}
     print(f"\n{'case':<9} {'mode':<17} {'throughput ours/theirs':>23} {'peak memory ours/theirs':>24}")
     for name in args.cases:
-        for mode in MODES:
+        for mode in modes:
             ours, theirs = by_key.get((name, mode, "titans_hf")), by_key.get((name, mode, "titans_pytorch"))
             if ours and theirs:
                 ratio = dict(throughput=ours["tokens_per_s"] / theirs["tokens_per_s"],

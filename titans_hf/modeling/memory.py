@@ -289,15 +289,10 @@ class NeuralMemory(nn.Module):
         if mask is not None:
             qkv = qkv * real[..., None]
 
-        # causal depthwise convolution, continuing from the previous call's last K-1 tokens; as K shifted
-        # multiply-adds in [B, T, channels] layout (half the time of conv1d and its two transposes)
-        K = self.conv_kernel
+        # causal depthwise convolution, continuing from the previous call's last K-1 tokens
         seq = torch.cat([state.conv_tail, qkv], dim=1)
-        conv_tail = seq[:, seq.shape[1] - (K - 1):]
-        taps = self.conv_weight.to(dtype)
-        qkv = seq[:, K - 1:] * taps[:, K - 1]
-        for i in range(K - 1):
-            qkv = torch.addcmul(qkv, seq[:, i:i + T], taps[:, i])
+        conv_tail = seq[:, seq.shape[1] - (self.conv_kernel - 1):]
+        qkv = _CausalDepthwiseConv.apply(seq, self.conv_weight.to(dtype))
         q, k, v = qkv.view(B, T, 3, H, d).permute(2, 0, 3, 1, 4).reshape(3, B, H, T, d).unbind(0)
         q, k = F.normalize(F.silu(q), dim=-1), F.normalize(F.silu(k), dim=-1)
         lr = (self.max_lr * torch.sigmoid(gates[..., :H]) * real[..., None]).transpose(1, 2)  # [B, H, T]
@@ -396,6 +391,34 @@ def _keep_rows_without_tokens(new_weights, new_momentum, weights, momentum, vali
         return list(new_weights), list(new_momentum)
     return ([torch.where(valid, n, o) for n, o in zip(new_weights, weights)],
             [torch.where(valid, n, o) for n, o in zip(new_momentum, momentum)])
+
+
+class _CausalDepthwiseConv(torch.autograd.Function):
+    """y_t = sum_i w[:, i] * x_{t+i} for x = [tail; tokens] in [B, T + K - 1, channels] layout: K shifted
+    multiply-adds, with a backward that accumulates into one gradient buffer (conv1d needs two transposes, and
+    autograd through the shifted slices zero-fills a full-size buffer per tap)."""
+
+    @staticmethod
+    def forward(ctx, seq: Tensor, taps: Tensor) -> Tensor:
+        K = taps.shape[1]
+        T = seq.shape[1] - K + 1
+        ctx.save_for_backward(seq, taps)
+        out = seq[:, K - 1:] * taps[:, K - 1]
+        for i in range(K - 1):
+            out.addcmul_(seq[:, i:i + T], taps[:, i])
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor]:
+        seq, taps = ctx.saved_tensors
+        K, T = taps.shape[1], grad.shape[1]
+        g_seq = torch.zeros_like(seq)
+        g_taps = torch.empty_like(taps)
+        for i in range(K):
+            g_seq[:, i:i + T].addcmul_(grad, taps[:, i])
+            g_taps[:, i] = torch.linalg.vecdot(grad.flatten(0, 1).T, seq[:, i:i + T].flatten(0, 1).T)
+        return g_seq, g_taps
 
 
 def _residual_matmul(base: Tensor, a: Tensor, w: Tensor) -> Tensor:
