@@ -50,7 +50,8 @@ class TitansQwenConfig(PreTrainedConfig):
         memory_depth / memory_expansion: the memory MLP.
         conv_kernel: causal depthwise convolution on q/k/v; wide enough to hold a fact sentence helps recall.
         memory_chunk_size: tokens per memory update (the granularity of the inner gradient step).
-        memory_batch_size: how often the point where inner gradients are taken is refreshed (None: the memory's default).
+        memory_batch_size: tokens between refreshes of the point where inner gradients are taken (None: every
+            memory chunk).
         max_lr: upper bound of the data-dependent inner learning rate.
         num_memory_tokens / num_persistent_tokens: `mac` prefix sizes.
         bptt_chunks: detach the memory state every this many chunks (None: full backprop through all chunks).
@@ -112,7 +113,8 @@ class TitansQwenConfig(PreTrainedConfig):
             raise ValueError("num_memory_tokens and num_persistent_tokens must be >= 0")
         if self.variant != "mac" and (self.num_memory_tokens or self.num_persistent_tokens):
             raise ValueError(
-                f"num_memory_tokens / num_persistent_tokens are only used by variant 'mac', got variant={self.variant!r}"
+                "num_memory_tokens / num_persistent_tokens are only used by variant 'mac', "
+                f"got variant={self.variant!r}"
             )
         if self.variant == "mac" and self.num_memory_tokens == 0:
             raise ValueError("variant 'mac' needs num_memory_tokens >= 1 (the memory reaches attention through them)")

@@ -94,7 +94,6 @@ class TitansCache(DynamicCache):
 
     def __init__(self, config: TitansQwenConfig):
         super().__init__(config=config.text_config)
-        self.chunk_size = config.chunk_size
         self.seen_tokens = 0
         self.memory_states: dict[int, MemoryState] | None = None
         self.chunk_attention_mask: Tensor | None = None  # [B, keys in the current chunk], prefix included
@@ -116,7 +115,8 @@ class TitansCache(DynamicCache):
         if self.memory_states is not None:
             self.memory_states = {i: s.select(index) for i, s in self.memory_states.items()}
         if self.chunk_attention_mask is not None:
-            self.chunk_attention_mask = self.chunk_attention_mask.index_select(0, index.to(self.chunk_attention_mask.device))
+            mask = self.chunk_attention_mask
+            self.chunk_attention_mask = mask.index_select(0, index.to(mask.device))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
@@ -128,11 +128,9 @@ class TitansCache(DynamicCache):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
-        if self.memory_states is not None:
+        if self.memory_states is not None:  # set together with the chunk mask, by the same forward
             rows = next(iter(self.memory_states.values())).batch_size
             self._select_rows(torch.arange(rows).repeat_interleave(repeats))
-        elif self.chunk_attention_mask is not None:
-            self.chunk_attention_mask = self.chunk_attention_mask.repeat_interleave(repeats, dim=0)
 
 
 class TitansQwenPreTrainedModel(PreTrainedModel):
@@ -255,7 +253,9 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
     def trainable_memory_state_dict(self) -> dict[str, Tensor]:
         """The memory's own parameters (memory layers, gates, persistent tokens) under their model names: exactly
         what `save_memory` writes. The backbone is never part of it."""
-        return {name: param.detach() for name, param in self.named_parameters() if not name.startswith(BASE_PREFIXES)}
+        return {
+            name: param.detach() for name, param in self.named_parameters() if not name.startswith(BASE_PREFIXES)
+        }
 
     def load_memory_state_dict(self, state_dict: dict[str, Tensor], strict: bool = True) -> None:
         own = self.trainable_memory_state_dict()
@@ -291,9 +291,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         """
         folder = Path(save_directory)
         folder.mkdir(parents=True, exist_ok=True)
-        tensors = {
-            name: param.detach().to("cpu").contiguous().clone() for name, param in self.trainable_memory_state_dict().items()
-        }
+        tensors = {name: value.to("cpu").contiguous().clone() for name, value in self.trainable_memory_state_dict().items()}
         weights_tmp = folder / f".{MEMORY_WEIGHTS_NAME}.tmp"
         save_file(tensors, str(weights_tmp), metadata={"format": "pt"})
         config_tmp = folder / f".{MEMORY_CONFIG_NAME}.tmp"
