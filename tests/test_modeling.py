@@ -273,6 +273,13 @@ def test_full_save_pretrained_round_trips_through_auto_classes(tmp_path, tiny_qw
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
     assert not any(p.requires_grad for n, p in loaded.named_parameters() if n.startswith("model."))
+    # in bf16 the backbone follows the request while the (small, finely trained) memory stays fp32
+    half = AutoModelForCausalLM.from_pretrained(tmp_path / "full", dtype=torch.bfloat16).eval()
+    dtypes = {n: p.dtype for n, p in half.named_parameters()}
+    assert {d for n, d in dtypes.items() if n.startswith("memory.")} == {torch.float32}
+    assert {d for n, d in dtypes.items() if n.startswith("model.")} == {torch.bfloat16}
+    with torch.no_grad():
+        assert half(ids).logits.dtype == torch.bfloat16
 
 
 def test_bf16_forward(tiny_qwen3_dir):

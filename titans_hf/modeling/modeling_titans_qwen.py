@@ -142,7 +142,7 @@ class TitansQwenPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _supports_attention_backend = True
     # small, and trained with tiny steps: stay fp32 under a bf16 backbone (the model casts at the boundaries)
-    _keep_in_fp32_modules = ["memory", "persistent_tokens"]
+    _keep_in_fp32_modules_strict = ["memory", "persistent_tokens"]
 
     def _init_weights(self, module: nn.Module) -> None:
         std = getattr(self.config.text_config, "initializer_range", 0.02)
