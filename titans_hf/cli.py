@@ -50,6 +50,22 @@ def add_push_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=push)
 
 
+def train(args: argparse.Namespace) -> int:
+    from titans_hf.training.train_babilong import main as train_main
+
+    return train_main(args.forwarded)
+
+
+def add_train_parser(subcommands: argparse._SubParsersAction) -> None:
+    # HfArgumentParser owns the flags (model, data and training dataclasses): they pass through untouched.
+    parser = subcommands.add_parser(
+        "train",
+        add_help=False,
+        help="train the memory on BABILong, same flags as scripts/train_babilong.py (`titans-hf train --help`)",
+    )
+    parser.set_defaults(func=train, forwards_unknown_args=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="titans-hf", description=__doc__)
     subcommands = parser.add_subparsers(dest="command", required=True)
@@ -58,11 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_prepare_parser(subcommands)
     add_babilong_parser(subcommands)
     add_eval_parser(subcommands)
+    add_train_parser(subcommands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "forwards_unknown_args", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.forwarded = unknown
     return int(args.func(args) or 0)
 
 

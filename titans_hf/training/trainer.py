@@ -318,6 +318,8 @@ class TitansTrainer(Trainer):
         """Write only the trainable weights (the memory); every rank must call it under FSDP."""
         state_dict = gather_trainable_state_dict(self.model)
         self._save(output_dir, state_dict=state_dict)
+        if not _internal_call and self.args.should_save:
+            logger.info("Saved the memory to %s", output_dir if output_dir is not None else self.args.output_dir)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         if not self.args.should_save:
@@ -328,7 +330,6 @@ class TitansTrainer(Trainer):
         save_memory_folder(self.accelerator.unwrap_model(self.model), state_dict, output_dir)
         args_json = self.args.to_json_string()
         _atomic_write(os.path.join(output_dir, TRAINING_ARGS_JSON_NAME), lambda p: open(p, "w").write(args_json))
-        logger.info("Saved memory weights to %s", output_dir)
 
     def _save_checkpoint(self, model: nn.Module, trial) -> None:
         """Assemble the checkpoint in `tmp-checkpoint-N`, rename to `checkpoint-N` once every rank is done.
@@ -373,6 +374,7 @@ class TitansTrainer(Trainer):
             if os.path.isdir(final_dir):
                 shutil.rmtree(final_dir)
             os.rename(staging_dir, final_dir)
+            logger.info("Saved checkpoint %s", final_dir)
             rotate_checkpoints(
                 output_dir=run_dir,
                 save_total_limit=self.args.save_total_limit,

@@ -1,0 +1,16 @@
+#!/usr/bin/env python
+"""Train the memory of a TitansQwen on BABILong (the seed recipe); the same entry as `titans-hf train`.
+
+    python scripts/train_babilong.py --model_name_or_path Qwen/Qwen2.5-0.5B --data_files qa1/32k.json
+    accelerate launch --config_file titans_hf/accelerate/fsdp.yaml scripts/train_babilong.py ... --bf16
+    accelerate launch --config_file titans_hf/accelerate/cpu_ddp.yaml scripts/train_babilong.py ...
+
+Flags: `--help`, or one .json/.yaml file holding them. Logic: titans_hf/training/train_babilong.py.
+"""
+
+import sys
+
+from titans_hf.training.train_babilong import main
+
+if __name__ == "__main__":
+    sys.exit(main())

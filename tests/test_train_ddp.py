@@ -1,0 +1,262 @@
+"""Two CPU processes: `accelerate launch --config_file titans_hf/accelerate/cpu_ddp.yaml` running the BABILong
+training entry (DDP over gloo), and raw FSDP2 `fully_shard` for the trainer's gather/load of trainable state.
+
+This file is also the worker script (FSDP through accelerate/Trainer on CPU silently becomes DDP, NOTES.md, so the
+sharded checkpoint helpers are exercised under `fully_shard` directly):
+    accelerate launch ... test_train_ddp.py ddp MODEL_DIR OUT_DIR
+    python test_train_ddp.py fsdp RANK WORLD PORT MODEL_DIR OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+REPO = Path(__file__).resolve().parent.parent
+STOP_STEP = 4  # inside epoch 1: 10 training rows over 2 ranks, 5 batches per rank, 3 optimizer steps per epoch
+STEPS = 6
+
+
+def tiny_recipe(model_dir: str, data_files: list[str], output_dir: str, *extra: str) -> list[str]:
+    """The train_babilong flags of a run small enough for CPU: QA1 at 2 lengths, curriculum 2 -> 4 chunks of 64."""
+    return [
+        "--model_name_or_path", model_dir, "--chunk_size", "64", "--memory_chunk_size", "8",
+        "--memory_head_dim", "16", "--checkpoint_chunks", "false",
+        "--data_files", *data_files, "--max_length", "256",
+        "--answer_reserve_tokens", "8", "--output_dir", output_dir, "--num_train_epochs", "2",
+        "--gradient_accumulation_steps", "2", "--learning_rate", "1e-3", "--log_every_batches", "4",
+        "--curriculum_chunks", "2", "4", "--report_to", "none", "--disable_tqdm", "true", *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def babilong_files(tmp_path_factory, tiny_qwen3_dir) -> list[str]:
+    """QA1 rows with 80- and 200-token haystacks (2 and 4 chunks), 6 each, frozen in BABILong JSON files."""
+    from transformers import AutoTokenizer
+
+    from titans_hf.data.babilong import generate_babilong, write_babilong_json
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    folder = tmp_path_factory.mktemp("babilong")
+    return [
+        str(write_babilong_json(generate_babilong("qa1", 6, length, tokenizer, seed=length), folder / f"{length}.json"))
+        for length in (80, 200)
+    ]
+
+
+def trainable(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def ddp_worker(model_dir: str, out_dir: str, data_files: list[str]) -> None:
+    from transformers import TrainerCallback
+
+    from titans_hf.training.train_babilong import parse_arguments, train_babilong
+
+    class StopAtStep(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == STOP_STEP
+
+    out = Path(out_dir)
+    runs = {
+        "full": (tiny_recipe(model_dir, data_files, str(out / "full"), "--save_strategy", "no"), None),
+        "stopped": (tiny_recipe(model_dir, data_files, str(out / "resumed"), "--save_steps", "1"), [StopAtStep()]),
+        "resumed": (tiny_recipe(model_dir, data_files, str(out / "resumed"), "--resume_from_checkpoint", "last"), None),
+    }
+    steps = {}
+    for name, (argv, callbacks) in runs.items():
+        trainer = train_babilong(*parse_arguments(argv), callbacks=callbacks)
+        rank = trainer.args.process_index
+        save_file(trainable(trainer.model), str(out / f"{name}_rank{rank}.safetensors"))
+        steps[name] = (trainer.state.global_step, trainer.args.world_size)
+    (out / f"steps_rank{rank}.json").write_text(json.dumps(steps))
+
+
+def test_two_process_ddp_training_and_exact_resume(tmp_path, tiny_qwen3_dir, babilong_files):
+    from titans_hf.modeling import TitansQwenForCausalLM
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path / "hf_home")}
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", str(REPO / "titans_hf" / "accelerate" / "cpu_ddp.yaml"),
+        __file__, "ddp", str(tiny_qwen3_dir), str(tmp_path), *babilong_files,
+    ]  # fmt: skip
+    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+
+    for rank in (0, 1):
+        steps = json.loads((tmp_path / f"steps_rank{rank}.json").read_text())
+        assert steps == {"full": [STEPS, 2], "stopped": [STOP_STEP, 2], "resumed": [STEPS, 2]}
+    weights = {
+        (run, rank): load_file(tmp_path / f"{run}_rank{rank}.safetensors")
+        for run in ("full", "stopped", "resumed")
+        for rank in (0, 1)
+    }
+    reference = weights["full", 0]
+    for key in [("full", 1), ("resumed", 0), ("resumed", 1)]:
+        assert weights[key].keys() == reference.keys()
+        for name, tensor in reference.items():
+            assert torch.equal(weights[key][name], tensor), (key, name)
+    assert not all(torch.equal(weights["stopped", 0][n], t) for n, t in reference.items())
+
+    checkpoint = tmp_path / "resumed" / f"checkpoint-{STOP_STEP}"
+    assert {"rng_state_0.pth", "rng_state_1.pth", "memory_model.safetensors"} <= set(os.listdir(checkpoint))
+    assert not [f for f in os.listdir(checkpoint) if f.startswith(("model", "pytorch_model"))]
+    saved = load_file(checkpoint / "memory_model.safetensors")
+    assert saved.keys() == reference.keys() and not [n for n in saved if n.startswith(("model.", "lm_head."))]
+    # the final memory in output_dir loads onto the base as the rank weights
+    final = TitansQwenForCausalLM.from_base_and_memory(tiny_qwen3_dir, tmp_path / "full")
+    assert all(torch.equal(final.trainable_memory_state_dict()[n], t) for n, t in reference.items())
+
+
+def test_cli_and_script_are_one_deterministic_entry(tmp_path, tiny_qwen3_dir, babilong_files):
+    from titans_hf.cli import main as cli_main
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the script's process: another thread count may sum in another order
+    try:
+        argv = tiny_recipe(str(tiny_qwen3_dir), babilong_files, str(tmp_path / "cli"), "--max_steps", "2")
+        assert cli_main(["train", *argv]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    script = [sys.executable, str(REPO / "scripts" / "train_babilong.py")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    argv = tiny_recipe(str(tiny_qwen3_dir), babilong_files, str(tmp_path / "script"), "--max_steps", "2", "--use_cpu", "true")
+    result = subprocess.run(script + argv, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "step 2 | batches 4 | loss" in result.stderr  # the rank-0 line: log every 4 batches = every 2 steps
+
+    for run in ("cli", "script"):
+        assert sorted(os.listdir(tmp_path / run)) == [
+            "checkpoint-2", "memory_config.json", "memory_model.safetensors", "training_args.json"
+        ]  # fmt: skip
+    cli, script_weights = (load_file(tmp_path / run / "memory_model.safetensors") for run in ("cli", "script"))
+    assert cli.keys() == script_weights.keys()
+    assert all(torch.equal(cli[n], script_weights[n]) for n in cli)
+    config = json.loads((tmp_path / "cli" / "memory_config.json").read_text())
+    assert config["memory_settings"]["chunk_size"] == 64 and config["base_model_name_or_path"] == str(tiny_qwen3_dir)
+
+    help_text = subprocess.run(script + ["--help"], env=env, capture_output=True, text=True).stdout
+    for default in ("--max_length MAX_LENGTH", "default: 32768", "--log_every_batches", "outputs/qwen_titans_babilong"):
+        assert default in help_text
+
+
+def test_generated_lengths_are_built_and_split_per_length(tiny_qwen3_dir):
+    from titans_hf.training.train_babilong import DataArguments, load_babilong_splits
+
+    data_args = DataArguments(generate_lengths=[80, 200], num_samples=10, max_length=256, answer_reserve_tokens=8)
+    train, evaluation = load_babilong_splits(data_args, str(tiny_qwen3_dir), pad_to_max_length=False)
+    assert (len(train), len(evaluation)) == (18, 2)  # 9 + 1 per length
+    assert sorted(set(train["length"])) == [80, 200] and train["length"].count(80) == 9
+    assert all(len(ids) <= 256 for ids in train["input_ids"])  # unpadded, the collator pads to chunks
+    assert len({len(ids) for ids in train["input_ids"]}) > 2
+    with pytest.raises(ValueError, match="--data_files.*--generate_lengths"):
+        load_babilong_splits(DataArguments(), str(tiny_qwen3_dir), pad_to_max_length=True)
+
+
+# ---- FSDP2 ----
+
+
+def fsdp_model(model_dir: str):
+    from titans_hf.modeling import TitansQwenForCausalLM
+
+    torch.manual_seed(0)
+    model = TitansQwenForCausalLM.from_base(model_dir, chunk_size=8, memory_chunk_size=4, memory_head_dim=16)
+    with torch.no_grad():
+        for block in model.memory.values():
+            block.output_weight.normal_(std=0.5)  # every memory parameter gets a gradient on the first step
+    return model
+
+
+def fsdp_step(model, optimizer, rank: int) -> None:
+    ids = torch.randint(1, 200, (1, 16), generator=torch.Generator().manual_seed(rank))
+    model(ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def fsdp_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from titans_hf.training.trainer import (
+        gather_optimizer_state_dict,
+        gather_trainable_state_dict,
+        load_optimizer_state_dict,
+        load_trainable_state_dict,
+    )
+
+    def sharded():
+        model = fsdp_model(model_dir)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    model, optimizer = sharded()
+    fsdp_step(model, optimizer, rank)
+    weights = gather_trainable_state_dict(model)  # collectives: every rank calls
+    optimizer_state = gather_optimizer_state_dict(model, optimizer)
+    if rank == 0:
+        save_file(weights, os.path.join(out_dir, "gathered.safetensors"))
+        torch.save(optimizer_state, os.path.join(out_dir, "optimizer.pt"))
+    dist.barrier()
+
+    # a fresh sharded model resumes from the files and takes the same next step as the original
+    resumed, resumed_optimizer = sharded()
+    load_trainable_state_dict(resumed, load_file(os.path.join(out_dir, "gathered.safetensors")), "gathered")
+    state = torch.load(os.path.join(out_dir, "optimizer.pt"), weights_only=True)
+    load_optimizer_state_dict(resumed, resumed_optimizer, state)
+    for m, o in ((model, optimizer), (resumed, resumed_optimizer)):
+        fsdp_step(m, o, rank + 10)
+    after, after_resumed = gather_trainable_state_dict(model), gather_trainable_state_dict(resumed)
+    if rank == 0:
+        save_file(after, os.path.join(out_dir, "after.safetensors"))
+        save_file(after_resumed, os.path.join(out_dir, "after_resumed.safetensors"))
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_fsdp2_gathers_and_restores_only_trainable_state(tmp_path, tiny_qwen3_dir):
+    port, env = free_port(), {**os.environ, "OMP_NUM_THREADS": "1"}
+    workers = [
+        subprocess.Popen(
+            [sys.executable, __file__, "fsdp", str(rank), "2", str(port), str(tiny_qwen3_dir), str(tmp_path)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        for rank in range(2)
+    ]
+    outputs = [w.communicate()[0] for w in workers]
+    assert [w.returncode for w in workers] == [0, 0], "\n".join(outputs)[-4000:]
+
+    model = fsdp_model(str(tiny_qwen3_dir))
+    initial = trainable(model)
+    gathered = load_file(tmp_path / "gathered.safetensors")
+    assert gathered.keys() == initial.keys() == model.trainable_memory_state_dict().keys()
+    assert all(gathered[n].shape == t.shape for n, t in initial.items())
+    assert all(not torch.equal(gathered[n], t) for n, t in initial.items())  # the step moved every memory weight
+    optimizer_state = torch.load(tmp_path / "optimizer.pt", weights_only=True)
+    assert set(optimizer_state["state"]) == set(initial)  # keyed by name, trainable parameters only
+    after, after_resumed = load_file(tmp_path / "after.safetensors"), load_file(tmp_path / "after_resumed.safetensors")
+    assert all(torch.equal(after_resumed[n], t) for n, t in after.items())
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "ddp":
+        ddp_worker(sys.argv[2], sys.argv[3], sys.argv[4:])
+    else:
+        fsdp_worker(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6])

@@ -1,0 +1,199 @@
+"""Train the memory of a TitansQwen on BABILong: the logic behind `scripts/train_babilong.py` and `titans-hf train`.
+
+Defaults follow the seed recipe (32768-token rows, chunks of 4096, 64 tokens kept for the answer,
+batch 1 per device, gradient accumulation 8, a log line every 80 batches, a 0.9 train split, output
+in `outputs/qwen_titans_babilong`, a final memory checkpoint). Single process, or::
+
+    accelerate launch --config_file titans_hf/accelerate/fsdp.yaml scripts/train_babilong.py \\
+        --model_name_or_path Qwen/Qwen2.5-0.5B --data_files babilong/qa1/32k.json --bf16
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass, field
+
+import datasets
+import torch
+from transformers import AutoTokenizer, HfArgumentParser, TrainerCallback, set_seed
+
+from titans_hf.data.babilong_builder import build_babilong
+from titans_hf.modeling import TitansQwenForCausalLM
+from titans_hf.training.trainer import TitansTrainer, TitansTrainingArguments
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelArguments:
+    """The base model and the memory settings; None leaves a setting at TitansQwenConfig's default."""
+
+    model_name_or_path: str = field(metadata={"help": "Base Qwen2/Qwen3: hub id or local folder."})
+    dtype: str | None = field(
+        default=None, metadata={"help": "dtype the base is loaded in (e.g. bfloat16); default: the checkpoint's."}
+    )
+    attn_implementation: str | None = field(default=None, metadata={"help": "e.g. sdpa, flash_attention_2."})
+    chunk_size: int | None = field(default=4096, metadata={"help": "Attention segment in tokens."})
+    memory_layers: list[int] | None = field(default=None, metadata={"help": "Decoder layers that get a memory."})
+    variant: str | None = field(default=None, metadata={"help": "mag, mac or mal."})
+    memory_num_heads: int | None = field(default=None)
+    memory_head_dim: int | None = field(default=None)
+    memory_depth: int | None = field(default=None)
+    memory_expansion: int | None = field(default=None)
+    conv_kernel: int | None = field(default=None)
+    memory_chunk_size: int | None = field(default=None, metadata={"help": "Tokens per memory update."})
+    memory_batch_size: int | None = field(default=None)
+    max_lr: float | None = field(default=None)
+    num_memory_tokens: int | None = field(default=None)
+    num_persistent_tokens: int | None = field(default=None)
+    bptt_chunks: int | None = field(default=None)
+    checkpoint_chunks: bool | None = field(default=None, metadata={"help": "Recompute each chunk in backward."})
+
+    def memory_settings(self) -> dict:
+        excluded = {"model_name_or_path", "dtype", "attn_implementation"}
+        return {
+            name: value
+            for name, value in vars(self).items()
+            if name not in excluded and value is not None
+        }
+
+
+@dataclass
+class DataArguments:
+    """Where BABILong rows come from: public JSON files, or the offline generator at one or more lengths."""
+
+    data_files: list[str] | None = field(
+        default=None, metadata={"help": "BABILong JSON files (input/question/target), e.g. qa1/32k.json."}
+    )
+    generate_lengths: list[int] | None = field(
+        default=None,
+        metadata={"help": "Without data_files: generate rows whose haystack has these token lengths (one set each)."},
+    )
+    task: str = field(default="qa1", metadata={"help": "Generated task: qa1, qa2 or qa3."})
+    num_samples: int = field(default=5000, metadata={"help": "Generated rows per length."})
+    haystack_files: list[str] | None = field(
+        default=None, metadata={"help": "Text files for the generated haystack (default: built-in prose)."}
+    )
+    generation_seed: int = field(default=0, metadata={"help": "Seed of the generator and of the train/eval split."})
+    tokenizer_name_or_path: str | None = field(default=None, metadata={"help": "Default: model_name_or_path."})
+    max_length: int = field(default=32768, metadata={"help": "Tokens per row (prompt + answer)."})
+    answer_reserve_tokens: int = field(default=64, metadata={"help": "Tokens kept for the answer."})
+    train_ratio: float = field(default=0.9, metadata={"help": "Seeded train share of the rows; the rest evaluates."})
+    pad_to_max_length: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Pad rows to max_length (the seed recipe). Default: yes, unless a curriculum is set, which needs "
+            "unpadded rows (the collator pads each batch to a multiple of chunk_size)."
+        },
+    )
+    max_train_samples: int | None = field(default=None, metadata={"help": "Keep the first N training rows."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Keep the first N evaluation rows."})
+
+
+@dataclass
+class BabilongTrainingArguments(TitansTrainingArguments):
+    output_dir: str | None = field(
+        default="outputs/qwen_titans_babilong",
+        metadata={"help": "Checkpoints go to checkpoint-N below it, the final memory into it."},
+    )
+
+
+def load_babilong_splits(
+    data_args: DataArguments, tokenizer_name_or_path: str, pad_to_max_length: bool
+) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """Train and evaluation rows of the `titans_babilong` builder, one build per source.
+
+    The builder-class route (`build_babilong`) rather than `load_dataset`: without data files,
+    `load_dataset` would infer them from the working directory instead of generating.
+    """
+    common = dict(
+        tokenizer=tokenizer_name_or_path,
+        max_length=data_args.max_length,
+        answer_reserve_tokens=data_args.answer_reserve_tokens,
+        pad_to_max_length=pad_to_max_length,
+        train_ratio=data_args.train_ratio,
+        seed=data_args.generation_seed,
+    )
+    if data_args.data_files:
+        builds = [build_babilong(data_files=list(data_args.data_files), **common)]
+    elif data_args.generate_lengths:
+        haystack = tuple(data_args.haystack_files) if data_args.haystack_files else None
+        builds = [
+            build_babilong(
+                task=data_args.task,
+                length=length,
+                num_samples=data_args.num_samples,
+                haystack_files=haystack,
+                **common,
+            )
+            for length in data_args.generate_lengths
+        ]
+    else:
+        raise ValueError("no data: pass --data_files (BABILong JSON) or --generate_lengths (offline generator)")
+    train = datasets.concatenate_datasets([build["train"] for build in builds])
+    evaluation = datasets.concatenate_datasets([build["validation"] for build in builds])
+    if data_args.max_train_samples is not None:
+        train = train.select(range(min(data_args.max_train_samples, len(train))))
+    if data_args.max_eval_samples is not None:
+        evaluation = evaluation.select(range(min(data_args.max_eval_samples, len(evaluation))))
+    return train, evaluation
+
+
+def train_babilong(
+    model_args: ModelArguments,
+    data_args: DataArguments,
+    training_args: TitansTrainingArguments,
+    callbacks: list[TrainerCallback] | None = None,
+) -> TitansTrainer:
+    """Build rows and model, train (resuming if asked), write the final memory into `output_dir`."""
+    tokenizer_name = data_args.tokenizer_name_or_path or model_args.model_name_or_path
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_name)
+    pad_to_max_length = data_args.pad_to_max_length
+    if pad_to_max_length is None:
+        pad_to_max_length = training_args.curriculum_chunks is None
+    # Rank 0 builds the Arrow cache; the other ranks then read it instead of racing to write it.
+    with training_args.main_process_first(desc="building BABILong rows"):
+        train_rows, eval_rows = load_babilong_splits(data_args, tokenizer_name, pad_to_max_length)
+
+    set_seed(training_args.seed)  # the memory's initial weights: the same on every run of the same arguments
+    dtype = model_args.dtype if model_args.dtype in (None, "auto") else getattr(torch, model_args.dtype)
+    model = TitansQwenForCausalLM.from_base(
+        model_args.model_name_or_path,
+        dtype=dtype,
+        attn_implementation=model_args.attn_implementation,
+        **model_args.memory_settings(),
+    )
+    trainer = TitansTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_rows,
+        eval_dataset=eval_rows,
+        processing_class=tokenizer,
+        callbacks=callbacks,
+    )
+    resume = training_args.resume_from_checkpoint
+    trainer.train(resume_from_checkpoint=True if resume == "last" else resume)
+    trainer.save_model()
+    return trainer
+
+
+def parse_arguments(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, BabilongTrainingArguments]:
+    """Command-line flags, or a single .json / .yaml file holding them."""
+    parser = HfArgumentParser((ModelArguments, DataArguments, BabilongTrainingArguments))
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 1 and argv[0].endswith(".json"):
+        return parser.parse_json_file(argv[0])
+    if len(argv) == 1 and argv[0].endswith((".yaml", ".yml")):
+        return parser.parse_yaml_file(argv[0])
+    return parser.parse_args_into_dataclasses(args=argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    model_args, data_args, training_args = parse_arguments(argv)
+    logging.basicConfig(
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        level=logging.INFO if training_args.process_index == 0 else logging.WARNING,
+    )
+    train_babilong(model_args, data_args, training_args)
+    return 0
