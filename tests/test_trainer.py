@@ -94,13 +94,14 @@ class StopAtStep(TrainerCallback):
 
 
 def make_trainer(
-    model_dir, output_dir, dataset, collator=None, callbacks=None, model=None, **overrides
+    model_dir, output_dir, dataset, collator=None, callbacks=None, model=None, eval_dataset=None, **overrides
 ) -> TitansTrainer:
     """A TitansTrainer whose collator (pad id from the tokenizer, chunk size from the config) it builds itself."""
     return TitansTrainer(
         model=model if model is not None else memory_model(model_dir),
         args=make_args(output_dir, **overrides),
         train_dataset=dataset,
+        eval_dataset=eval_dataset,
         data_collator=collator,
         processing_class=AutoTokenizer.from_pretrained(model_dir),
         callbacks=callbacks,
@@ -371,3 +372,25 @@ def test_model_without_trainable_parameters_is_refused(tiny_qwen3_dir, tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir).requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameter"):
         TitansTrainer(model=model, args=make_args(tmp_path))
+
+
+def test_load_best_model_at_end_restores_the_best_memory(tiny_qwen3_dir, rows, tmp_path):
+    trainer = make_trainer(
+        tiny_qwen3_dir,
+        tmp_path,
+        rows,
+        eval_dataset=rows,
+        max_steps=4,
+        eval_strategy="steps",
+        eval_steps=1,
+        load_best_model_at_end=True,
+        metric_for_best_model="loss",
+        learning_rate=0.5,  # large steps, so the eval loss does not simply fall to the last step
+    )
+    trainer.train()
+    losses = {entry["step"]: entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry}
+    best_step = min(losses, key=losses.get)
+    assert best_step != 4  # else loading the best memory would change nothing
+    assert trainer.state.best_model_checkpoint == str(tmp_path / f"checkpoint-{best_step}")
+    best = safetensors.torch.load_file(tmp_path / f"checkpoint-{best_step}" / MEMORY_WEIGHTS_NAME)
+    assert all(torch.equal(trainable_weights(trainer.model)[n], w) for n, w in best.items())
