@@ -135,3 +135,19 @@ def test_demo_checkpoint_reloads_to_identical_logits(demo):
 def test_demo_main_rejects_bad_lengths(tmp_path):
     with pytest.raises(ValueError, match="eval_chunks"):
         main(["--output-dir", str(tmp_path), "--eval-chunks", "0"])
+
+
+def test_demo_with_a_given_model_trains_only_the_memory(tiny_qwen3_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    demo = run_demo(output_dir=tmp_path, model=str(tiny_qwen3_dir), train_chunks=(0, 3), eval_chunks=(3,),
+                    num_train_samples=4, num_eval_samples=3, batch_size=4, max_steps=2, show_progress=False)
+    assert demo["paths"]["base"] is None and not (tmp_path / "base").exists()
+    config = json.loads((demo["paths"]["memory"] / "memory_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(tiny_qwen3_dir)
+    assert config["memory_settings"]["freeze_base"] is True
+    base = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir).state_dict()
+    trained = demo["model"].state_dict()
+    for name, tensor in base.items():
+        assert torch.equal(trained[name], tensor), name
+    assert demo["results"]["details"]["qa1"]["96"]["num_samples"] == 3
