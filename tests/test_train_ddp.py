@@ -29,7 +29,7 @@ def tiny_recipe(model_dir: str, data_files: list[str], output_dir: str, *extra: 
     """The train_babilong flags of a run small enough for CPU: QA1 at 2 lengths, curriculum 2 -> 4 chunks of 64."""
     return [
         "--model_name_or_path", model_dir, "--chunk_size", "64", "--memory_chunk_size", "8",
-        "--memory_head_dim", "16", "--checkpoint_chunks", "false",
+        "--memory_head_dim", "16",
         "--data_files", *data_files, "--max_length", "256",
         "--answer_reserve_tokens", "8", "--output_dir", output_dir, "--num_train_epochs", "2",
         "--gradient_accumulation_steps", "2", "--learning_rate", "1e-3", "--log_every_batches", "4",

@@ -15,8 +15,10 @@ import os
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import datasets
 import safetensors.torch
 import torch
 from torch import nn
@@ -165,8 +167,6 @@ class ChunkCurriculumSampler(Sampler[int]):
 
 def count_chunks(dataset, chunk_size: int) -> list[int]:
     """Chunks each row occupies once padded to a multiple of `chunk_size` (real tokens only)."""
-    import datasets
-
     if isinstance(dataset, datasets.Dataset):
         masks = (
             mask
@@ -233,7 +233,7 @@ def save_memory_folder(model: nn.Module, state_dict: dict[str, torch.Tensor], ou
     os.makedirs(output_dir, exist_ok=True)
     if hasattr(model, "memory_config_dict"):
         text = json.dumps(model.memory_config_dict(), indent=2, sort_keys=True) + "\n"
-        _atomic_write(os.path.join(output_dir, MEMORY_CONFIG_NAME), lambda p: open(p, "w").write(text))
+        _atomic_write(os.path.join(output_dir, MEMORY_CONFIG_NAME), lambda p: Path(p).write_text(text))
     # The weights file goes last: its presence means the folder's memory is complete.
     _atomic_write(
         os.path.join(output_dir, MEMORY_WEIGHTS_NAME),
@@ -250,6 +250,8 @@ class TitansTrainer(Trainer):
     """
 
     def __init__(self, model: nn.Module, args: TitansTrainingArguments, data_collator=None, **kwargs):
+        if not isinstance(args, TitansTrainingArguments):
+            raise ValueError(f"args must be TitansTrainingArguments, got {type(args).__name__}")
         if not trainable_parameter_names(model):
             raise ValueError("model has no trainable parameter: nothing for TitansTrainer to train or checkpoint")
         if data_collator is None:
@@ -285,21 +287,22 @@ class TitansTrainer(Trainer):
         # The Trainer reaches the sampler's set_epoch only through accelerate's loader wrappers; when
         # one of them does not forward it (seen after the resume skip, NOTES.md), a resumed epoch >= 1
         # replays epoch 0's order. Setting it here, before the loader is iterated, covers every path.
+        sampler = self._train_sampler  # None for an IterableDataset, which has no sampler
         resume_from_checkpoint = kwargs.get("resume_from_checkpoint")
-        if resume_from_checkpoint is not None and epoch == kwargs.get("epochs_trained"):
-            sampler_state = os.path.join(resume_from_checkpoint, SAMPLER_STATE_NAME)
-            if os.path.isfile(sampler_state):
-                with open(sampler_state) as handle:
-                    self._train_sampler.load_state_dict(json.load(handle))
-        self._train_sampler.set_epoch(epoch)
-        if isinstance(self._train_sampler, ChunkCurriculumSampler) and self.is_world_process_zero():
-            stage = self._train_sampler.stage(epoch)
+        if sampler is not None and resume_from_checkpoint is not None and epoch == kwargs.get("epochs_trained"):
+            sampler_state = Path(resume_from_checkpoint, SAMPLER_STATE_NAME)
+            if sampler_state.is_file():  # the saved seed wins over a changed --seed: same order as the run
+                sampler.load_state_dict(json.loads(sampler_state.read_text()))
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        if isinstance(sampler, ChunkCurriculumSampler) and self.is_world_process_zero():
+            stage = sampler.stage(epoch)
             logger.info(
                 "epoch %d: curriculum stage %d, rows of <= %d chunks (%d rows)",
                 epoch,
                 stage,
-                self._train_sampler.stages[stage],
-                len(self._train_sampler.pools[stage]),
+                sampler.stages[stage],
+                len(sampler.pools[stage]),
             )
         return super()._run_epoch(model, epoch, train_dataloader, *args, **kwargs)
 
@@ -329,7 +332,7 @@ class TitansTrainer(Trainer):
             state_dict = gather_trainable_state_dict(self.model)
         save_memory_folder(self.accelerator.unwrap_model(self.model), state_dict, output_dir)
         args_json = self.args.to_json_string()
-        _atomic_write(os.path.join(output_dir, TRAINING_ARGS_JSON_NAME), lambda p: open(p, "w").write(args_json))
+        _atomic_write(os.path.join(output_dir, TRAINING_ARGS_JSON_NAME), lambda p: Path(p).write_text(args_json))
 
     def _save_checkpoint(self, model: nn.Module, trial) -> None:
         """Assemble the checkpoint in `tmp-checkpoint-N`, rename to `checkpoint-N` once every rank is done.
@@ -358,8 +361,8 @@ class TitansTrainer(Trainer):
             self._save_rng_state(staging_dir)
 
         if self.args.should_save:
-            with open(os.path.join(staging_dir, SAMPLER_STATE_NAME), "w") as handle:
-                json.dump(self._train_sampler.state_dict(), handle)
+            if self._train_sampler is not None:
+                Path(staging_dir, SAMPLER_STATE_NAME).write_text(json.dumps(self._train_sampler.state_dict()))
             for callback in self.callback_handler.callbacks + [self.control]:
                 if isinstance(callback, ExportableState):
                     name = callback.__class__.__name__
