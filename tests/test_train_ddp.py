@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 REPO = Path(__file__).resolve().parent.parent
+CONFIGS = REPO / "titans_hf" / "accelerate"
 STOP_STEP = 4  # inside epoch 1: 10 training rows over 2 ranks, 5 batches per rank, 3 optimizer steps per epoch
 STEPS = 6
 
@@ -86,7 +87,7 @@ def test_two_process_ddp_training_and_exact_resume(tmp_path, tiny_qwen3_dir, bab
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path / "hf_home")}
     command = [
         sys.executable, "-m", "accelerate.commands.launch",
-        "--config_file", str(REPO / "titans_hf" / "accelerate" / "cpu_ddp.yaml"),
+        "--config_file", str(CONFIGS / "cpu_ddp.yaml"),
         __file__, "ddp", str(tiny_qwen3_dir), str(tmp_path), *babilong_files,
     ]  # fmt: skip
     result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True)
@@ -160,6 +161,46 @@ def test_generated_lengths_are_built_and_split_per_length(tiny_qwen3_dir):
     assert len({len(ids) for ids in train["input_ids"]}) > 2
     with pytest.raises(ValueError, match="--data_files.*--generate_lengths"):
         load_babilong_splits(DataArguments(), str(tiny_qwen3_dir), pad_to_max_length=True)
+
+
+# ---- accelerate configs ----
+
+
+def test_accelerate_configs_load_and_select_the_intended_setup():
+    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.utils import DistributedType
+
+    configs = {name: ClusterConfig.from_yaml_file(str(CONFIGS / f"{name}.yaml")) for name in ("ddp", "fsdp", "cpu_ddp")}
+    assert (configs["ddp"].distributed_type, configs["ddp"].use_cpu) == (DistributedType.MULTI_GPU, False)
+    # two CPU processes: accelerate 1.15 starts one process for MULTI_CPU, so it is MULTI_GPU + use_cpu
+    assert (configs["cpu_ddp"].distributed_type, configs["cpu_ddp"].num_processes) == (DistributedType.MULTI_GPU, 2)
+    assert configs["cpu_ddp"].use_cpu
+    assert configs["fsdp"].distributed_type == DistributedType.FSDP
+    assert configs["fsdp"].fsdp_config["fsdp_version"] == 2
+    assert configs["fsdp"].fsdp_config["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+    assert "fsdp_transformer_layer_cls_to_wrap" not in configs["fsdp"].fsdp_config  # the model's _no_split_modules
+
+
+@pytest.mark.parametrize("base", ["tiny_qwen3_dir", "tiny_qwen2_dir"])
+def test_fsdp_config_wraps_each_decoder_layer_of_a_titans_qwen(base, request):
+    import yaml
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+
+    from titans_hf.modeling import TitansQwenForCausalLM
+
+    settings = yaml.safe_load((CONFIGS / "fsdp.yaml").read_text())["fsdp_config"]
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=settings["fsdp_version"],
+        auto_wrap_policy=settings["fsdp_auto_wrap_policy"],
+        reshard_after_forward=settings["fsdp_reshard_after_forward"],
+        state_dict_type=settings["fsdp_state_dict_type"],
+    )
+    model = TitansQwenForCausalLM.from_base(request.getfixturevalue(base), chunk_size=16)
+    plugin.set_auto_wrap_policy(model)
+    wraps = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    wrapped = [module for module in model.modules() if wraps(module)]
+    assert wrapped == list(model.model.layers)  # the memory stays with the root unit, all fp32
 
 
 # ---- FSDP2 ----

@@ -6,6 +6,14 @@ in `outputs/qwen_titans_babilong`, a final memory checkpoint). Single process, o
 
     accelerate launch --config_file titans_hf/accelerate/fsdp.yaml scripts/train_babilong.py \\
         --model_name_or_path Qwen/Qwen2.5-0.5B --data_files babilong/qa1/32k.json --bf16
+
+(`accelerate launch -m titans_hf.training.train_babilong` when the package is installed without the repo.)
+
+Length curriculum, the way RMT/ARMT learned BABILong: give rows of several lengths and the chunk
+counts of the stages, e.g. `--data_files qa1/4k.json qa1/8k.json qa1/16k.json qa1/32k.json
+--curriculum_chunks 1 2 4 8` (or `--generate_lengths 3500 7500 15500 31500`). Epoch e trains on
+the rows of at most `curriculum_chunks[e // curriculum_epochs_per_stage]` chunks; rows are then
+left unpadded and each batch is padded to a multiple of `chunk_size` (see ChunkCurriculumSampler).
 """
 
 from __future__ import annotations
@@ -197,3 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     train_babilong(model_args, data_args, training_args)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
