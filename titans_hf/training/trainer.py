@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+import numpy as np
 import safetensors.torch
 import torch
 from torch import nn
@@ -168,15 +169,16 @@ class ChunkCurriculumSampler(Sampler[int]):
 def count_chunks(dataset, chunk_size: int) -> list[int]:
     """Chunks each row occupies once padded to a multiple of `chunk_size` (real tokens only)."""
     if isinstance(dataset, datasets.Dataset):
+        # numpy format: a 32k-token mask is one array, not 32k Python ints
         masks = (
             mask
-            for batch in dataset.select_columns(["attention_mask"]).iter(batch_size=256)
+            for batch in dataset.select_columns(["attention_mask"]).with_format("numpy").iter(batch_size=64)
             for mask in batch["attention_mask"]
         )
     else:
         masks = (dataset[i]["attention_mask"] for i in range(len(dataset)))
     return [
-        max(1, math.ceil(int(torch.as_tensor(mask).sum()) / chunk_size))
+        max(1, math.ceil(int(np.asarray(mask).sum()) / chunk_size))
         for mask in tqdm(masks, total=len(dataset), desc="Counting chunks per row", leave=False)
     ]
 
