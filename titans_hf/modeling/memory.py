@@ -21,6 +21,10 @@ Exact definitions (the tests' reference loop restates them; `H` heads of size `d
   ``S_j = eta_j S_{j-1} - G_j``; ``W_j = (1 - alpha_j) W_{j-1} + S_j``; ``S_{-1} = 0``, ``W_{-1}`` = initial weights.
   A chunk without any real token leaves ``S`` and ``W`` unchanged.
 * Read: token ``t`` of chunk ``j`` returns ``M_{W_{j-1}}(q_t)``: only strictly earlier chunks wrote what it reads.
+  :meth:`NeuralMemory.retrieve` reads the current weights for tokens outside the stream, writing nothing.
+* Initial gate biases (``theta_bias_init`` -2, ``momentum_bias_init`` 0, ``forget_bias_init`` -4): small steps,
+  since a chunk's summed gradient multiplies the step by the chunk length; the surprise clip then bounds every
+  update, so ``||W_j|| <= ||W_{-1}|| + c / ((1 - max eta) min alpha)`` per head.
 
 The inner gradients are written out as batched matmuls (explicit backprop through the MLP) rather than
 ``torch.func``, so one ordinary autograd graph carries the outer loss through every update, and all heads and all
