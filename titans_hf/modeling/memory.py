@@ -431,8 +431,8 @@ def _residual_matmul(base: Tensor, a: Tensor, w: Tensor) -> Tensor:
 
 
 class _SiluDerivative(torch.autograd.Function):
-    """upstream * silu'(pre) with a hand-written backward: the inner backprop calls it once per hidden layer and
-    chunk, and the autograd graph of the plain expression kept five intermediates alive for every one."""
+    """upstream * silu'(pre) with a hand-written backward, for the memory-batch path (batch_size > chunk_size): its
+    inner backprop calls it once per hidden layer, and the plain expression's graph kept five intermediates alive."""
 
     @staticmethod
     def forward(ctx, upstream: Tensor, pre: Tensor) -> Tensor:
