@@ -6,7 +6,7 @@ that text (every task word is one token), a randomly initialised Qwen3 small eno
 sees one chunk of ``chunk_size`` tokens; the question sits after an input of several chunks, so the supporting
 fact is out of attention's reach and only the memory can carry it. Training uses ``TitansTrainer`` with a length
 curriculum (bare stories first, then stories in a haystack of 3 and 4 chunks); evaluation answers held-out
-stories with the memory on and off on the same weights at the trained length and at 2x and 4x it.
+stories with the memory on and off on the same weights at the longest trained length and at 2x, 4x and 8x it.
 
 Outputs (``outputs/demo/`` by default): ``results.json``, ``heatmap.png`` and ``predictions.jsonl`` (from
 `evaluate_babilong`), ``loss.png``, ``run.json`` (settings and timings), ``base/`` (the trained Qwen3 and its
@@ -176,7 +176,7 @@ def run_demo(
     model: str | None = None,
     chunk_size: int = 32,
     train_chunks: tuple[int, ...] = (0, 3, 4),
-    eval_chunks: tuple[int, ...] = (4, 8, 16),
+    eval_chunks: tuple[int, ...] = (4, 8, 16, 32),
     num_train_samples: int = 1000,
     num_eval_samples: int = 200,
     epochs: int = 6,
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-size", type=int, default=32, help="attention segment in tokens")
     parser.add_argument("--train-chunks", type=int, nargs="+", default=[0, 3, 4],
                         help="input lengths trained on, in chunks (0 = bare stories, the first curriculum stage)")
-    parser.add_argument("--eval-chunks", type=int, nargs="+", default=[4, 8, 16],
+    parser.add_argument("--eval-chunks", type=int, nargs="+", default=[4, 8, 16, 32],
                         help="input lengths evaluated, in chunks")
     parser.add_argument("--num-train-samples", type=int, default=1000, help="rows per training length")
     parser.add_argument("--num-eval-samples", type=int, default=200, help="rows per evaluation length")
