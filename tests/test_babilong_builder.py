@@ -130,3 +130,20 @@ def test_bad_configurations_are_errors(tmp_path, tiny_tokenizer_dir):
         TitansBabilong(cache_dir=str(tmp_path), tokenizer="x", max_length=200, answer_reserve_tokens=300)
     with pytest.raises(ValueError, match="task='qa7'"):
         TitansBabilong(cache_dir=str(tmp_path), tokenizer="x", task="qa7")
+
+
+def test_load_dataset_without_data_files_generates_from_any_working_directory(
+    tmp_path, monkeypatch, tiny_tokenizer_dir
+):
+    config = dict(task="qa1", length=150, num_samples=12, seed=5, tokenizer=str(tiny_tokenizer_dir), max_length=224,
+                  answer_reserve_tokens=8)
+    expected = prepare(tmp_path / "class_route", **config)
+    empty_folder = tmp_path / "empty"
+    empty_folder.mkdir()
+    monkeypatch.chdir(empty_folder)  # datasets would look for data files here and find none
+    loaded = load_dataset("titans_babilong", cache_dir=str(tmp_path / "cache"), **config)
+    for split in ("train", "validation"):
+        assert loaded[split].to_dict() == expected[split].to_dict()
+    other_seed = load_dataset("titans_babilong", cache_dir=str(tmp_path / "cache"), **{**config, "seed": 6})
+    assert other_seed["train"]["input_ids"] != loaded["train"]["input_ids"]
+    assert list(empty_folder.iterdir()) == []

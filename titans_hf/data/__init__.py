@@ -4,6 +4,12 @@ Importing this package registers the builders below the way `datasets` lists its
 (csv, json, ...), so `load_dataset("titans_tokens", data_files=..., ...)` works offline, streaming
 included: `load_dataset` looks names up in that same dict. Registering one more builder is one
 more entry in `BUILDER_MODULES`.
+
+A builder that can generate its rows (`titans_babilong` with `task=`) needs no data files, but
+`datasets` 5.2 resolves data files for a packaged builder from the working directory when none are
+given: slow in a large folder, an `EmptyDatasetError` in an empty one, and in between it hands the
+builder whatever files happen to lie there. For the builders in `GENERATING_BUILDERS`, a call with
+neither `data_files` nor `data_dir` therefore goes straight to the builder with no data files.
 """
 
 from __future__ import annotations
@@ -11,12 +17,15 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from datasets import load as datasets_load
 from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
 
 BUILDER_MODULES: dict[str, str] = {
     "titans_tokens": "titans_hf.data.tokens_builder",
     "titans_babilong": "titans_hf.data.babilong_builder",
 }
+
+GENERATING_BUILDERS = {"titans_babilong"}
 
 
 def source_hash() -> str:
@@ -34,4 +43,21 @@ def register_builders() -> None:
         _PACKAGED_DATASETS_MODULES[name] = (module_path, code_hash)
 
 
+def _packaged_module_without_data_files(resolve_module):
+    def get_module(factory: datasets_load.PackagedDatasetModuleFactory) -> datasets_load.DatasetModule:
+        if factory.name in GENERATING_BUILDERS and factory.data_files is None and factory.data_dir is None:
+            module_path, code_hash = _PACKAGED_DATASETS_MODULES[factory.name]
+            return datasets_load.DatasetModule(
+                module_path, code_hash, {"data_files": datasets_load.DataFilesDict(), "dataset_name": factory.name}
+            )
+        return resolve_module(factory)
+
+    get_module.resolves_generating_builders = True
+    return get_module
+
+
 register_builders()
+if not getattr(datasets_load.PackagedDatasetModuleFactory.get_module, "resolves_generating_builders", False):
+    datasets_load.PackagedDatasetModuleFactory.get_module = _packaged_module_without_data_files(
+        datasets_load.PackagedDatasetModuleFactory.get_module
+    )

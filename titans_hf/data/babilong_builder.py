@@ -4,12 +4,13 @@ Usage, once ``titans_hf`` is imported (it registers the builder)::
 
     load_dataset("titans_babilong", data_files="qa1/32k.json", tokenizer="Qwen/Qwen2.5-0.5B",
                  max_length=32768, answer_reserve_tokens=64)
+    load_dataset("titans_babilong", task="qa1", length=2048, num_samples=5000, seed=0,
+                 tokenizer="path/to/tokenizer", max_length=2304)
     build_babilong(task="qa1", length=2048, num_samples=5000, seed=0,
-                   tokenizer="path/to/tokenizer", max_length=2304)
+                   tokenizer="path/to/tokenizer", max_length=2304)   # the builder-class route
 
-Generation goes through the builder class (``build_babilong``), not ``load_dataset``: without
-``data_files``, ``load_dataset`` infers data files from the working directory (slow in a big
-folder, an error in an empty one) before the builder is even created.
+Without data files ``load_dataset`` would look for files in the working directory;
+``titans_hf.data`` routes this builder past that lookup so that it generates.
 
 Config values are plain (the tokenizer is a name or path), so the Arrow cache key changes exactly
 when an input changes. Work is cut into row chunks listed in ``gen_kwargs``, which is what
