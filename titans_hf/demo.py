@@ -32,6 +32,7 @@ import math
 import os
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -208,7 +209,8 @@ def run_demo(
 
     if model is None:
         tokenizer = build_demo_tokenizer(base_dir, seed=seed)
-        build_qwen(base_dir, vocab_size=len(tokenizer), family="qwen3", seed=seed, **TINY_BASE)
+        build_qwen(base_dir, vocab_size=len(tokenizer), family="qwen3", seed=seed, eos_token_id=tokenizer.eos_token_id,
+                   pad_token_id=tokenizer.pad_token_id, **TINY_BASE)
         base = str(base_dir)
         memory_settings = dict(MEMORY_SETTINGS, freeze_base=False)
     else:
@@ -232,8 +234,9 @@ def run_demo(
     stages = sorted({max(row_chunks)} | {min(row_chunks)})
     steps_per_epoch = math.ceil(len(train_set) / batch_size)
     planned_steps = max_steps if max_steps > 0 else epochs * steps_per_epoch
+    scratch = tempfile.TemporaryDirectory(prefix="titans_demo_trainer_")  # no checkpoints: nothing worth keeping
     args = TitansTrainingArguments(
-        output_dir=str(output / "trainer"),
+        output_dir=scratch.name,
         per_device_train_batch_size=batch_size,
         gradient_accumulation_steps=1,
         learning_rate=learning_rate,
@@ -255,7 +258,8 @@ def run_demo(
     )
     trainer = TitansTrainer(model=titans, args=args, train_dataset=train_set, processing_class=tokenizer)
     train_started = time.time()
-    trainer.train()
+    with scratch:
+        trainer.train()
     timings["train_s"] = time.time() - train_started
     plot_loss_curve(trainer.state.log_history, output / LOSS_PLOT_NAME, steps_per_epoch, stages)
 
