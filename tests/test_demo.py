@@ -151,3 +151,19 @@ def test_demo_with_a_given_model_trains_only_the_memory(tiny_qwen3_dir, tmp_path
     for name, tensor in base.items():
         assert torch.equal(trained[name], tensor), name
     assert demo["results"]["details"]["qa1"]["96"]["num_samples"] == 3
+
+
+def test_goal_report_applies_each_bar_to_its_lengths():
+    from titans_hf.demo import goal_report
+
+    def cell(memory, no_memory):
+        return {"chance": 1 / 6, "memory": {"exact_match": memory}, "no_memory": {"exact_match": no_memory}}
+
+    results = {"details": {"qa1": {"96": cell(0.1, 0.9), "128": cell(0.9, 0.3), "256": cell(0.8, 0.2),
+                                   "512": cell(0.95, 0.4)}}}
+    lines = goal_report(results, longest_trained=128, chunk_size=32)
+    # 96 tokens is under 4 chunks: not part of the goal
+    assert [line.split()[0] for line in lines] == ["128", "256", "512"]
+    assert lines[0].endswith(": met") and "goal >= 90%" in lines[0]  # 0.30 is 13.3 points above chance
+    assert lines[1].endswith(": met") and "goal >= 80%" in lines[1]
+    assert lines[2].endswith("NOT met")  # 0.40 without memory is 23.3 points above chance

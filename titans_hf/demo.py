@@ -324,6 +324,24 @@ def run_demo(
     }
 
 
+def goal_report(results: dict[str, Any], longest_trained: int, chunk_size: int) -> list[str]:
+    """The main job's goal, checked cell by cell from 4 chunks on: >= 90% with the memory up to the longest trained
+    length and >= 80% beyond it (2x and more), while the same weights without the memory stay within 15 points
+    of chance."""
+    lines = []
+    for length, cell in results["details"][TASK].items():
+        tokens = int(length)
+        if tokens < 4 * chunk_size:
+            continue
+        memory, no_memory, chance = cell["memory"]["exact_match"], cell["no_memory"]["exact_match"], cell["chance"]
+        needed = 0.8 if tokens > longest_trained else 0.9
+        met = memory >= needed and abs(no_memory - chance) <= 0.15
+        lines.append(f"{length:>6} tokens: memory {100 * memory:.1f}% (goal >= {100 * needed:.0f}%), no memory "
+                     f"{100 * no_memory:.1f}% (goal within 15 points of {100 * chance:.1f}%): "
+                     f"{'met' if met else 'NOT met'}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m titans_hf.demo",
@@ -368,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"BABILong QA1, input lengths in tokens (chunks of {info['chunk_size']}; trained up to "
           f"{max(info['train_lengths'])} tokens), accuracy in %:")
     print(format_results_table(demo["results"]))
+    print("\nGoal (issue 7):")
+    print("\n".join(goal_report(demo["results"], max(info["train_lengths"]), info["chunk_size"])))
     timings = info["timings"]
     print(f"\n{info['steps']} training steps in {timings['train_s']:.0f}s, evaluation {timings['eval_s']:.0f}s, "
           f"total {timings['total_s']:.0f}s")
