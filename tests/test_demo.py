@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from titans_hf.data.babilong import ACTORS, LOCATIONS, MOVE_VERBS, generate_babilong
-from titans_hf.demo import build_demo_tokenizer, init_window_convolution, main, run_demo
+from titans_hf.demo import build_demo_tokenizer, main, run_demo
 from titans_hf.modeling import TitansQwenForCausalLM
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -50,17 +50,6 @@ def test_demo_tokenizer_makes_every_task_word_one_token(tmp_path):
     # the question's actor is 5 tokens before the answer position: within the 6-token convolution
     tokens = tokenizer.convert_ids_to_tokens(tokenizer("\n\nQuestion: Where is Mary? \nAnswer:")["input_ids"])
     assert tokens[-6:] == ["ĠMary", "?", "Ġ", "Ċ", "Answer", ":"]
-
-
-def test_window_convolution_starts_queries_and_keys_as_a_mean(tiny_qwen3_dir):
-    model = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, chunk_size=16, memory_num_heads=2, memory_head_dim=8,
-                                            conv_kernel=4)
-    init_window_convolution(model)
-    weight = next(iter(model.memory.values())).neural_memory.conv_weight.detach()
-    inner = 2 * 8
-    assert torch.equal(weight[: 2 * inner], torch.full((2 * inner, 4), 0.25))
-    # values keep the identity start: only the current token's tap
-    assert torch.equal(weight[2 * inner :], torch.tensor([[0.0, 0.0, 0.0, 1.0]]).expand(inner, 4))
 
 
 def test_demo_writes_results_for_every_length_and_mode(demo):

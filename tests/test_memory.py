@@ -350,3 +350,16 @@ def test_bad_arguments_name_the_problem():
         mem(torch.randn(2, 5, 16), mask=torch.ones(2, 4))
     with pytest.raises(ValueError, match="rows"):
         mem(torch.randn(2, 5, 16), mem.init_state(3))
+
+
+def test_window_conv_init_averages_query_and_key_taps_and_keeps_values_identity():
+    heads, dim, kernel = 2, 4, 6
+    inner = heads * dim
+    window = NeuralMemory(8, heads, dim, depth=1, conv_kernel=kernel, conv_init="window").conv_weight.detach()
+    assert torch.equal(window[: 2 * inner], torch.full((2 * inner, kernel), 1 / kernel))
+    identity_taps = torch.tensor([[0.0] * (kernel - 1) + [1.0]]).expand(inner, kernel)
+    assert torch.equal(window[2 * inner :], identity_taps)
+    identity = NeuralMemory(8, heads, dim, depth=1, conv_kernel=kernel).conv_weight.detach()
+    assert torch.equal(identity, identity_taps.repeat(3, 1))
+    with pytest.raises(ValueError, match="conv_init"):
+        NeuralMemory(8, heads, dim, conv_init="mean")

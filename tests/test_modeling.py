@@ -306,3 +306,25 @@ def test_invalid_settings_fail_clearly(tiny_qwen3_dir):
         TitansQwenConfig(text_config=text, variant="mac")
     with pytest.raises(ValueError, match="unknown memory settings"):
         TitansQwenForCausalLM.from_base(tiny_qwen3_dir, chunk=8)
+
+
+def test_conv_init_reaches_every_memory_and_survives_save_load(tiny_qwen3_dir, tmp_path):
+    model = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, chunk_size=16, memory_layers=[0, 1], memory_num_heads=2,
+                                            memory_head_dim=8, conv_kernel=4)
+    assert model.config.conv_init == "window"
+    for block in model.memory.values():
+        assert torch.equal(block.neural_memory.conv_weight[:32], torch.full((32, 4), 0.25))
+    with torch.no_grad():
+        for block in model.memory.values():
+            block.neural_memory.conv_weight.add_(0.5)  # trained weights, not the init, must come back
+    model.save_memory(tmp_path / "memory")
+    loaded = TitansQwenForCausalLM.from_base_and_memory(tiny_qwen3_dir, tmp_path / "memory")
+    assert loaded.config.conv_init == "window"
+    for name, block in model.memory.items():
+        assert torch.equal(loaded.memory[name].neural_memory.conv_weight, block.neural_memory.conv_weight)
+    identity = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, chunk_size=16, memory_num_heads=2, memory_head_dim=8,
+                                               conv_kernel=4, conv_init="identity")
+    weight = next(iter(identity.memory.values())).neural_memory.conv_weight
+    assert torch.equal(weight, torch.tensor([[0.0, 0.0, 0.0, 1.0]]).expand(48, 4))
+    with pytest.raises(ValueError, match="conv_init"):
+        TitansQwenConfig(text_config=model.config.text_config.to_dict(), conv_init="mean")

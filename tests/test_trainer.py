@@ -385,11 +385,11 @@ def test_load_best_model_at_end_restores_the_best_memory(tiny_qwen3_dir, rows, t
         eval_steps=1,
         load_best_model_at_end=True,
         metric_for_best_model="loss",
-        learning_rate=0.5,  # large steps, so the eval loss does not simply fall to the last step
+        greater_is_better=True,  # "best" = highest eval loss: training lowers it, so the best is not the last step
     )
     trainer.train()
     losses = {entry["step"]: entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry}
-    best_step = min(losses, key=losses.get)
+    best_step = max(losses, key=losses.get)
     assert best_step != 4  # else loading the best memory would change nothing
     assert trainer.state.best_model_checkpoint == str(tmp_path / f"checkpoint-{best_step}")
     best = safetensors.torch.load_file(tmp_path / f"checkpoint-{best_step}" / MEMORY_WEIGHTS_NAME)

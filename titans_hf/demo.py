@@ -77,6 +77,7 @@ MEMORY_SETTINGS = dict(
     memory_head_dim=16,
     memory_depth=1,
     conv_kernel=6,  # spans "Mary went back to the kitchen" and "Mary? \nAnswer:"
+    conv_init="window",  # q/k start as the mean of the 6 taps: actor and place in one key from the first step
     memory_chunk_size=8,
     max_lr=1.0,
     checkpoint_chunks=False,  # a few hundred tokens: recomputation would only cost time
@@ -101,21 +102,6 @@ def build_demo_tokenizer(out_dir: str | Path, vocab_size: int = 1024, seed: int 
     ]
     texts = [distractor_sentence(rng) for _ in range(3000)] + prompts
     return build_tokenizer(texts, out_dir, vocab_size=vocab_size)
-
-
-def init_window_convolution(model: TitansQwenForCausalLM) -> None:
-    """Start every memory's query and key convolution as the mean of its ``conv_kernel`` taps (values keep the
-    identity).
-
-    With the identity start a key depends on its own token only, so all facts look alike to the memory and the
-    only thing it can learn at first is recency. A window start mixes the actor into the key of its place and
-    into the query at the question's end, which gives the outer gradient something to sharpen.
-    """
-    for block in model.memory.values():
-        memory = block.neural_memory
-        queries_and_keys = 2 * memory.num_heads * memory.head_dim
-        with torch.no_grad():
-            memory.conv_weight[:queries_and_keys] = 1.0 / memory.conv_kernel
 
 
 def generate_rows(tokenizer, lengths: list[int], num_samples: int, seed: int) -> dict[int, list[dict[str, str]]]:
@@ -234,7 +220,6 @@ def run_demo(
     timings["data_s"] = time.time() - started
 
     titans = TitansQwenForCausalLM.from_base(base, **memory_settings)
-    init_window_convolution(titans)
     # curriculum stages in chunks of whole examples: the shortest rows first, then everything
     row_chunks = [math.ceil(len(ids) / chunk_size) for ids in train_set["input_ids"]]
     stages = sorted({max(row_chunks)} | {min(row_chunks)})

@@ -120,6 +120,9 @@ class MemoryState:
                    position=int(state_dict["position"]))
 
 
+CONV_INITS = ("identity", "window")
+
+
 class NeuralMemory(nn.Module):
     """Multi-head Titans memory: ``forward(hidden, state) -> (reads, new_state)``; no output projection (the model
     owns it). See the module docstring for the exact math."""
@@ -132,6 +135,7 @@ class NeuralMemory(nn.Module):
         depth: int = 2,
         expansion: int = 4,
         conv_kernel: int = 4,
+        conv_init: str = "identity",
         chunk_size: int = 64,
         batch_size: int | None = None,
         max_lr: float = 0.1,
@@ -146,6 +150,8 @@ class NeuralMemory(nn.Module):
                                 expansion=expansion, conv_kernel=conv_kernel, chunk_size=chunk_size).items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"NeuralMemory: {name} must be a positive integer, got {value!r}")
+        if conv_init not in CONV_INITS:
+            raise ValueError(f"NeuralMemory: conv_init must be one of {CONV_INITS}, got {conv_init!r}")
         batch_size = chunk_size if batch_size is None else batch_size
         if batch_size < chunk_size or batch_size % chunk_size:
             raise ValueError(f"NeuralMemory: batch_size ({batch_size}) must be a multiple of chunk_size ({chunk_size})")
@@ -155,6 +161,7 @@ class NeuralMemory(nn.Module):
             raise ValueError(f"NeuralMemory: max_surprise_norm must be > 0 or None, got {max_surprise_norm}")
         self.hidden_size, self.num_heads, self.head_dim, self.depth = hidden_size, num_heads, head_dim, depth
         self.conv_kernel, self.chunk_size, self.batch_size = conv_kernel, chunk_size, batch_size
+        self.conv_init = conv_init
         self.chunks_per_batch = batch_size // chunk_size
         self.max_lr, self.max_surprise_norm = max_lr, max_surprise_norm
         self.bias_init = (theta_bias_init, momentum_bias_init, forget_bias_init)
@@ -176,9 +183,13 @@ class NeuralMemory(nn.Module):
         self.norm.reset_parameters()
         self.to_qkv.reset_parameters()
         with torch.no_grad():
-            # identity convolution at init: q, k, v start as the plain projections, the other taps are learned
+            # identity: q, k, v start as the plain projections, the other taps are learned. window: q and k start
+            # as the mean over the kernel, so a key holds a fact's actor and place together from the first step
+            # (with the identity start a key sees one token and all the memory can learn at first is recency).
             self.conv_weight.zero_()
             self.conv_weight[:, -1] = 1.0
+            if self.conv_init == "window":
+                self.conv_weight[: 2 * self.num_heads * self.head_dim] = 1.0 / self.conv_kernel
             nn.init.normal_(self.to_gates.weight, std=self.hidden_size**-0.5)
             bias = self.to_gates.bias.view(3, self.num_heads)
             for row, value in zip(bias, self.bias_init):

@@ -51,6 +51,7 @@ class TitansMemoryBlock(nn.Module):
             depth=config.memory_depth,
             expansion=config.memory_expansion,
             conv_kernel=config.conv_kernel,
+            conv_init=config.conv_init,
             chunk_size=config.memory_chunk_size,
             batch_size=config.memory_batch_size,
             max_lr=config.max_lr,

@@ -50,6 +50,7 @@ class ModelArguments:
     memory_depth: int | None = field(default=None)
     memory_expansion: int | None = field(default=None)
     conv_kernel: int | None = field(default=None)
+    conv_init: str | None = field(default=None, metadata={"help": "window (default) or identity q/k conv start."})
     memory_chunk_size: int | None = field(default=None, metadata={"help": "Tokens per memory update."})
     memory_batch_size: int | None = field(default=None)
     max_lr: float | None = field(default=None)
