@@ -19,6 +19,7 @@ from titans_hf.modeling import TitansQwenForCausalLM
 from titans_hf.training.trainer import (
     MEMORY_CONFIG_NAME,
     MEMORY_WEIGHTS_NAME,
+    TRAINABLE_BASE_WEIGHTS_NAME,
     ChunkCurriculumSampler,
     TitansTrainer,
     TitansTrainingArguments,
@@ -394,3 +395,25 @@ def test_load_best_model_at_end_restores_the_best_memory(tiny_qwen3_dir, rows, t
     assert trainer.state.best_model_checkpoint == str(tmp_path / f"checkpoint-{best_step}")
     best = safetensors.torch.load_file(tmp_path / f"checkpoint-{best_step}" / MEMORY_WEIGHTS_NAME)
     assert all(torch.equal(trainable_weights(trainer.model)[n], w) for n, w in best.items())
+
+
+def test_trained_base_weights_stay_out_of_the_memory_file_and_resume(tiny_qwen3_dir, rows, tmp_path):
+    torch.manual_seed(0)
+    model = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, chunk_size=16, memory_chunk_size=8, memory_head_dim=16,
+                                            checkpoint_chunks=False, freeze_base=False)
+    trainer = make_trainer(tiny_qwen3_dir, tmp_path, rows, model=model, max_steps=2)
+    trainer.train()
+    checkpoint = tmp_path / "checkpoint-2"
+    memory = safetensors.torch.load_file(checkpoint / MEMORY_WEIGHTS_NAME)
+    base = safetensors.torch.load_file(checkpoint / TRAINABLE_BASE_WEIGHTS_NAME)
+    assert sorted(memory) == sorted(model.trainable_memory_state_dict())
+    assert base and all(name.startswith(("model.", "lm_head.")) for name in base)
+    assert sorted(memory) + sorted(base) == sorted(memory | base) == sorted(trainable_weights(model))
+    TitansQwenForCausalLM.from_base_and_memory(tiny_qwen3_dir, checkpoint)  # the memory file alone loads
+
+    torch.manual_seed(1)
+    fresh = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, chunk_size=16, memory_chunk_size=8, memory_head_dim=16,
+                                            checkpoint_chunks=False, freeze_base=False)
+    make_trainer(tiny_qwen3_dir, tmp_path, rows, model=fresh, max_steps=2)._load_from_checkpoint(str(checkpoint))
+    for name, weight in trainable_weights(model).items():
+        assert torch.equal(trainable_weights(fresh)[name], weight), name

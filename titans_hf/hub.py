@@ -20,11 +20,10 @@ from huggingface_hub.utils import validate_repo_id
 from safetensors import safe_open
 
 from titans_hf import __version__
+from titans_hf.modeling.modeling_titans_qwen import MEMORY_CONFIG_NAME, MEMORY_WEIGHTS_NAME
 
 logger = logging.getLogger(__name__)
 
-MEMORY_WEIGHTS_NAME = "memory_model.safetensors"
-MEMORY_CONFIG_NAME = "memory_config.json"
 CARD_TEMPLATE_PATH = Path(__file__).parent / "hub_cards" / "memory_model_card.md"
 
 # What the card describes; a config lacking one of these would render a card with holes.

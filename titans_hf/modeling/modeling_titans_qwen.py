@@ -297,8 +297,9 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         save_file(tensors, str(weights_tmp), metadata={"format": "pt"})
         config_tmp = folder / f".{MEMORY_CONFIG_NAME}.tmp"
         config_tmp.write_text(json.dumps(self.memory_config_dict(), indent=2, sort_keys=True) + "\n")
-        os.replace(weights_tmp, folder / MEMORY_WEIGHTS_NAME)
+        # the weights go last: their presence means the folder is complete
         os.replace(config_tmp, folder / MEMORY_CONFIG_NAME)
+        os.replace(weights_tmp, folder / MEMORY_WEIGHTS_NAME)
         return folder
 
     @classmethod

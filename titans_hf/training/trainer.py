@@ -39,11 +39,13 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from titans_hf.data.collator import TitansDataCollator
 from titans_hf.data.sampler import ResumableSampler
+from titans_hf.modeling.modeling_titans_qwen import MEMORY_CONFIG_NAME, MEMORY_WEIGHTS_NAME
 
 logger = logging.getLogger(__name__)
 
-MEMORY_WEIGHTS_NAME = "memory_model.safetensors"
-MEMORY_CONFIG_NAME = "memory_config.json"
+# Base weights that were trained too (a TitansQwen with freeze_base=False): kept out of the memory file,
+# which `from_base_and_memory` reads, but part of the checkpoint so that resume restores them.
+TRAINABLE_BASE_WEIGHTS_NAME = "trainable_base_model.safetensors"
 SAMPLER_STATE_NAME = "sampler_state.json"
 TRAINING_ARGS_JSON_NAME = "training_args.json"
 # A checkpoint is assembled under this prefix and renamed to `checkpoint-N` only when complete;
@@ -231,15 +233,30 @@ def _atomic_write(path: str, write) -> None:
 
 
 def save_memory_folder(model: nn.Module, state_dict: dict[str, torch.Tensor], output_dir: str) -> None:
-    """Write the trainable weights (and a TitansQwen's memory_config.json) that `from_base_and_memory` reads."""
+    """Write the trainable weights (and a TitansQwen's memory_config.json) that `from_base_and_memory` reads.
+
+    A TitansQwen's memory goes to `memory_model.safetensors`; trainable base weights, if any, to
+    `trainable_base_model.safetensors`. A model without a memory keeps all its trainable weights in the first.
+    """
     os.makedirs(output_dir, exist_ok=True)
+    if hasattr(model, "trainable_memory_state_dict"):
+        memory_names = set(model.trainable_memory_state_dict())
+    else:
+        memory_names = set(state_dict)
+    memory = {name: tensor for name, tensor in state_dict.items() if name in memory_names}
+    base = {name: tensor for name, tensor in state_dict.items() if name not in memory_names}
+    base_path = os.path.join(output_dir, TRAINABLE_BASE_WEIGHTS_NAME)
+    if base:
+        _atomic_write(base_path, lambda p: safetensors.torch.save_file(base, p, metadata={"format": "pt"}))
+    elif os.path.exists(base_path):
+        os.remove(base_path)  # left by an earlier save into the same folder: it would be loaded on resume
     if hasattr(model, "memory_config_dict"):
         text = json.dumps(model.memory_config_dict(), indent=2, sort_keys=True) + "\n"
         _atomic_write(os.path.join(output_dir, MEMORY_CONFIG_NAME), lambda p: Path(p).write_text(text))
     # The weights file goes last: its presence means the folder's memory is complete.
     _atomic_write(
         os.path.join(output_dir, MEMORY_WEIGHTS_NAME),
-        lambda p: safetensors.torch.save_file(state_dict, p, metadata={"format": "pt"}),
+        lambda p: safetensors.torch.save_file(memory, p, metadata={"format": "pt"}),
     )
 
 
@@ -408,6 +425,9 @@ class TitansTrainer(Trainer):
                 f"{weights_path} not found: {resume_from_checkpoint} is not a complete TitansTrainer checkpoint"
             )
         state_dict = safetensors.torch.load_file(weights_path, device="cpu")
+        base_path = os.path.join(resume_from_checkpoint, TRAINABLE_BASE_WEIGHTS_NAME)
+        if os.path.isfile(base_path):
+            state_dict.update(safetensors.torch.load_file(base_path, device="cpu"))
         load_trainable_state_dict(model if model is not None else self.model, state_dict, weights_path)
 
     def _load_best_model(self) -> None:
