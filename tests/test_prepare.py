@@ -207,6 +207,27 @@ def test_bad_inputs(tmp_path, tiny_tokenizer_dir):
     assert open_store(tmp_path / "out.h5").num_segments("sequence") == 1
 
 
+def test_failed_overwrite_keeps_the_old_store(tmp_path, tiny_tokenizer_dir, monkeypatch):
+    (tmp_path / "story.txt").write_text(STORY)
+    (tmp_path / "other.txt").write_text(OTHER)
+    output = tmp_path / "store_bin"
+    prepare(tmp_path / "story.txt", output, tiny_tokenizer_dir)
+    before = {path.name: path.read_bytes() for path in output.iterdir()}
+    real_replace = prepare_module.os.replace
+
+    def replace_failing_on_the_new_store(src, dst):
+        if Path(dst) == output and Path(src) != output.with_name(f".{output.name}.replaced"):
+            raise OSError("disk full")  # the new store cannot be put in place; putting the old one back works
+        real_replace(src, dst)
+
+    monkeypatch.setattr(prepare_module.os, "replace", replace_failing_on_the_new_store)
+    with pytest.raises(OSError, match="disk full"):
+        prepare(tmp_path / "other.txt", output, tiny_tokenizer_dir, overwrite=True)
+    monkeypatch.undo()
+    assert {path.name: path.read_bytes() for path in output.iterdir()} == before
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["other.txt", "store_bin", "story.txt"]
+
+
 def test_console_command(tmp_path, tiny_tokenizer_dir, tokenizer, capsys):
     (tmp_path / "story.txt").write_text(STORY)
     output = tmp_path / "cli_bin"

@@ -296,6 +296,29 @@ def _shard_name(output: Path, index: str, count: str) -> str:
     return f"{output.name[: len(output.name) - len(suffix)]}-{index}-of-{count}{suffix}"
 
 
+def _replace_outputs(finished: list[Path], targets: list[Path], existing: list[Path]) -> None:
+    """Rename the finished temporaries to their targets in place of the old outputs.
+
+    The old outputs are set aside first (a bin store is a directory, which a rename cannot overwrite) and
+    deleted only once every new output is in place; if a rename fails they come back, so nothing is lost.
+    """
+    set_aside = [path.with_name(f".{path.name}.replaced") for path in existing]
+    for path, aside in zip(existing, set_aside):
+        _remove(aside)
+        os.replace(path, aside)
+    try:
+        for temp, target in zip(finished, targets):
+            os.replace(temp, target)
+    except BaseException:
+        for target in targets:
+            _remove(target)
+        for path, aside in zip(existing, set_aside):
+            os.replace(aside, path)
+        raise
+    for aside in set_aside:
+        _remove(aside)
+
+
 def _remove(path: Path) -> None:
     if path.is_dir():
         shutil.rmtree(path)
@@ -378,10 +401,7 @@ def prepare(
         if not finished:
             raise ValueError(f"{inputs}: no records to prepare (all inputs empty)")
         targets = _shard_paths(output, len(finished))
-        for path in existing:
-            _remove(path)
-        for temp, target in zip(finished, targets):
-            os.replace(temp, target)
+        _replace_outputs(finished, targets, existing)
         return targets
     except BaseException:
         for writer in writers:
