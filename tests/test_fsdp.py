@@ -59,6 +59,7 @@ def worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> No
     if rank == 0:
         save_file(full, os.path.join(out_dir, "params.safetensors"))
         Path(out_dir, "result.json").write_text(json.dumps({"losses": losses, "frozen_grads": frozen_grads}))
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -82,15 +83,21 @@ def test_fsdp2_training_step_matches_single_process(tmp_path, tiny_qwen3_dir):
     result = json.loads((tmp_path / "result.json").read_text())
     sharded = load_file(str(tmp_path / "params.safetensors"))
 
-    # reference: FSDP averages gradients over ranks, i.e. the gradient of the mean of the two ranks' losses
-    model = build(tiny_qwen3_dir)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    vocab = model.config.text_config.vocab_size
-    losses = [model(*batch(rank, vocab)[:1], labels=batch(rank, vocab)[1]).loss for rank in range(2)]
+    # reference: FSDP averages gradients over ranks, i.e. the gradient of the mean of the two ranks' losses,
+    # computed on one thread like the workers (OMP_NUM_THREADS=1), whatever earlier tests set
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = build(tiny_qwen3_dir)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        vocab = model.config.text_config.vocab_size
+        losses = [model(*batch(rank, vocab)[:1], labels=batch(rank, vocab)[1]).loss for rank in range(2)]
+        ((losses[0] + losses[1]) / 2).backward()
+        torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE).step()
+    finally:
+        torch.set_num_threads(threads)
     torch.testing.assert_close(torch.tensor([l.item() for l in losses]), torch.tensor(result["losses"]),
                                atol=1e-5, rtol=1e-5)
-    ((losses[0] + losses[1]) / 2).backward()
-    torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE).step()
 
     assert result["frozen_grads"] == []
     assert sharded.keys() == {n for n, _ in model.named_parameters()}
@@ -104,3 +111,8 @@ def test_fsdp2_training_step_matches_single_process(tmp_path, tiny_qwen3_dir):
 
 if __name__ == "__main__":
     worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    # Skip interpreter finalisation: gloo's worker threads can abort it ("terminate called without an active
+    # exception", exit -6) after all the work is done and written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -263,6 +263,7 @@ def fsdp_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) 
     if rank == 0:
         save_file(after, os.path.join(out_dir, "after.safetensors"))
         save_file(after_resumed, os.path.join(out_dir, "after_resumed.safetensors"))
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -301,3 +302,8 @@ if __name__ == "__main__":
         ddp_worker(sys.argv[2], sys.argv[3], sys.argv[4:])
     else:
         fsdp_worker(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6])
+    # Skip interpreter finalisation: gloo's worker threads can abort it ("terminate called without an active
+    # exception", exit -6) after all the work is done and written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
