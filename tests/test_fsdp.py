@@ -7,12 +7,11 @@ This file is also the worker script: `python test_fsdp.py RANK WORLD PORT MODEL_
 
 import json
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from gloo_workers import exit_without_finalising, run_two_ranks
 
 CHUNKED = dict(chunk_size=8, memory_chunk_size=4, memory_num_heads=2, memory_head_dim=16, memory_layers=[0, 1])
 LEARNING_RATE = 0.5
@@ -63,23 +62,10 @@ def worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> No
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_fsdp2_training_step_matches_single_process(tmp_path, tiny_qwen3_dir):
     from safetensors.torch import load_file
 
-    port, env = free_port(), {**os.environ, "OMP_NUM_THREADS": "1"}
-    workers = [
-        subprocess.Popen([sys.executable, __file__, str(rank), "2", str(port), str(tiny_qwen3_dir), str(tmp_path)],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for rank in range(2)
-    ]
-    outputs = [w.communicate()[0] for w in workers]
-    assert [w.returncode for w in workers] == [0, 0], "\n".join(outputs)[-4000:]
+    run_two_ranks(__file__, [], [str(tiny_qwen3_dir), str(tmp_path)])
     result = json.loads((tmp_path / "result.json").read_text())
     sharded = load_file(str(tmp_path / "params.safetensors"))
 
@@ -111,8 +97,4 @@ def test_fsdp2_training_step_matches_single_process(tmp_path, tiny_qwen3_dir):
 
 if __name__ == "__main__":
     worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
-    # Skip interpreter finalisation: gloo's worker threads can abort it ("terminate called without an active
-    # exception", exit -6) after all the work is done and written.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_finalising()

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from gloo_workers import exit_without_finalising, run_two_ranks
 from safetensors.torch import load_file, save_file
 
 REPO = Path(__file__).resolve().parent.parent
@@ -267,23 +267,8 @@ def fsdp_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) 
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_fsdp2_gathers_and_restores_only_trainable_state(tmp_path, tiny_qwen3_dir):
-    port, env = free_port(), {**os.environ, "OMP_NUM_THREADS": "1"}
-    workers = [
-        subprocess.Popen(
-            [sys.executable, __file__, "fsdp", str(rank), "2", str(port), str(tiny_qwen3_dir), str(tmp_path)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-        for rank in range(2)
-    ]
-    outputs = [w.communicate()[0] for w in workers]
-    assert [w.returncode for w in workers] == [0, 0], "\n".join(outputs)[-4000:]
+    run_two_ranks(__file__, ["fsdp"], [str(tiny_qwen3_dir), str(tmp_path)])
 
     model = fsdp_model(str(tiny_qwen3_dir))
     initial = trainable(model)
@@ -302,8 +287,4 @@ if __name__ == "__main__":
         ddp_worker(sys.argv[2], sys.argv[3], sys.argv[4:])
     else:
         fsdp_worker(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6])
-    # Skip interpreter finalisation: gloo's worker threads can abort it ("terminate called without an active
-    # exception", exit -6) after all the work is done and written.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_finalising()
