@@ -120,10 +120,14 @@ def _memory_model(base_dir, seed: int = 0, **settings) -> TitansQwenForCausalLM:
     return model
 
 
-@pytest.mark.parametrize("variant", ["mag", "mal"])
-def test_memory_disabled_gives_exactly_the_base_models_logits(tiny_qwen3_dir, variant):
+@pytest.mark.parametrize(
+    "settings",
+    [dict(variant="mag"), dict(variant="mal"), dict(variant="mac", num_memory_tokens=2, num_persistent_tokens=3)],
+    ids=["mag", "mal", "mac"],
+)
+def test_memory_disabled_gives_exactly_the_base_models_logits(tiny_qwen3_dir, settings):
     base = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir).eval()
-    model = _memory_model(tiny_qwen3_dir, variant=variant)
+    model = _memory_model(tiny_qwen3_dir, **settings)
     chunk = MEMORY_SETTINGS["chunk_size"]
     input_ids = torch.randint(0, base.config.vocab_size, (2, 2 * chunk), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -134,7 +138,8 @@ def test_memory_disabled_gives_exactly_the_base_models_logits(tiny_qwen3_dir, va
         # attention is chunk-local, positions restart per chunk: the base model run on each chunk on its own
         base_per_chunk = torch.cat([base(input_ids[:, :chunk]).logits, base(input_ids[:, chunk:]).logits], dim=1)
     assert torch.equal(without_memory, base_per_chunk)
-    # the memory path is live: every chunk differs, the first one too (it reads the initial fast weights)
+    # the memory path is live: every chunk differs, the first one too (it reads the initial fast weights; mac's
+    # prefix of persistent and memory tokens changes it as well)
     assert not torch.allclose(with_memory[:, :chunk], base_per_chunk[:, :chunk], atol=1e-3)
     assert not torch.allclose(with_memory[:, chunk:], base_per_chunk[:, chunk:], atol=1e-3)
     # the switch is a context: leaving it restores the memory

@@ -75,12 +75,10 @@ class TitansMemoryBlock(nn.Module):
         update = gate * F.linear(read.to(dtype), self.output_weight)
         return layer_output + update.to(layer_output.dtype)
 
-    def memory_tokens(self, state: MemoryState, batch_size: int, enabled: bool) -> Tensor:
+    def memory_tokens(self, state: MemoryState, batch_size: int) -> Tensor:
         """MAC memory tokens [B, M, hidden]: learned queries plus W_O·(what the memory returns for them), a pure
         read of the current weights (the queries are not part of the stream: they never write)."""
         queries = self.memory_queries.unsqueeze(0).expand(batch_size, -1, -1)
-        if not enabled:
-            return queries
         read = self.neural_memory.retrieve(self.memory_queries.unsqueeze(0), state)
         return queries + self.project(read, queries)
 
@@ -343,7 +341,8 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
 
     @contextlib.contextmanager
     def memory_disabled(self) -> Iterator["TitansQwenForCausalLM"]:
-        """The ablation: memory reads are zero (the memory is skipped entirely, which is the same and cheaper)."""
+        """The ablation: the model runs as its frozen base does, chunk by chunk. Memory reads are skipped (the same
+        as zero reads, and cheaper), and `mac` puts neither persistent nor memory tokens in front of the chunks."""
         previous = self._memory_enabled
         self._memory_enabled = False
         try:
@@ -385,10 +384,10 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         hidden = self.model.embed_tokens(input_ids)
         num_prefix = 0
         new_mask = token_mask
-        if variant == "mac" and starts_chunk:
+        if variant == "mac" and starts_chunk and enabled:  # memory off: no prefix, the chunk as the base sees it
             parts = [self.persistent_tokens.unsqueeze(0).expand(batch_size, -1, -1)] if hasattr(
                 self, "persistent_tokens") else []
-            parts += [block.memory_tokens(states[int(layer)], batch_size, enabled)
+            parts += [block.memory_tokens(states[int(layer)], batch_size)
                       for layer, block in self.memory.items()]
             prefix = torch.cat(parts, dim=1).to(hidden.dtype)
             num_prefix = prefix.shape[1]
