@@ -1,16 +1,19 @@
-"""The main job in miniature: generate -> build -> train a few steps -> save -> reload -> evaluate -> files."""
+"""The main job in miniature: stage a (pretrain and save a stand-in Qwen) and stage b (the user's recipe: BABILong files,
+the titans-hf train code on the frozen base, the titans-hf eval function on the saved memory), in seconds."""
 
 from __future__ import annotations
 
 import json
+import re
 import struct
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from titans_hf.data.babilong import ACTORS, LOCATIONS, MOVE_VERBS, generate_babilong
-from titans_hf.demo import build_demo_tokenizer, main, run_demo
+from titans_hf.data.babilong import ACTORS, LOCATIONS, MOVE_VERBS, OBJECTS, generate_babilong
+from titans_hf.demo import build_demo_tokenizer, domain_documents, main, run_demo
 from titans_hf.modeling import TitansQwenForCausalLM
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -33,7 +36,8 @@ def demo(tmp_path_factory):
         output_dir=output,
         train_chunks=(0, 3),
         eval_chunks=(3, 4),
-        num_train_samples=6,
+        pretrain_steps=4,
+        num_train_samples=8,
         num_eval_samples=5,
         batch_size=4,
         max_steps=3,
@@ -44,12 +48,63 @@ def demo(tmp_path_factory):
 
 def test_demo_tokenizer_makes_every_task_word_one_token(tmp_path):
     tokenizer = build_demo_tokenizer(tmp_path)
-    words = ACTORS + LOCATIONS + [word for verb in MOVE_VERBS for word in verb.split()] + ["Where", "is", "the"]
+    words = ACTORS + LOCATIONS + OBJECTS + [word for verb in MOVE_VERBS for word in verb.split()] + ["Where", "is"]
     for word in words:
         assert len(tokenizer(" " + word)["input_ids"]) == 1, word
     # the question's actor is 5 tokens before the answer position: within the 6-token convolution
     tokens = tokenizer.convert_ids_to_tokens(tokenizer("\n\nQuestion: Where is Mary? \nAnswer:")["input_ids"])
     assert tokens[-6:] == ["ĠMary", "?", "Ġ", "Ċ", "Answer", ":"]
+
+
+def test_domain_documents_answer_every_question_from_the_facts_before_it():
+    documents = domain_documents("qa1", 50, seed=3)
+    fact = re.compile(rf"({'|'.join(ACTORS)}) (?:{'|'.join(MOVE_VERBS)}) the ({'|'.join(LOCATIONS)})\.")
+    qa = re.compile(r"Question: Where is (\w+)\? \nAnswer: (\w+)")
+    asked = 0
+    for document in documents:
+        where: dict[str, str] = {}
+        for piece in re.split(r"(Question: Where is \w+\? \nAnswer: \w+)", document):
+            match = qa.fullmatch(piece)
+            if match:
+                assert where[match.group(1)] == match.group(2)
+                asked += 1
+            for actor, location in fact.findall(piece):
+                where[actor] = location
+    assert asked > 20
+    assert documents == domain_documents("qa1", 50, seed=3) != domain_documents("qa1", 50, seed=4)
+
+
+def test_stage_a_saves_a_plain_qwen_folder(demo):
+    base = demo["paths"]["base"]
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {path.name for path in base.iterdir()}
+    model = AutoModelForCausalLM.from_pretrained(base)
+    assert model.config.model_type == "qwen3" and type(model).__name__ == "Qwen3ForCausalLM"
+    assert not any("memory" in name for name in model.state_dict())
+    assert len(AutoTokenizer.from_pretrained(base)) == model.config.vocab_size
+    info = demo["run_info"]
+    assert info["pretraining"]["steps"] == 4
+    accuracy = info["base_accuracy"]
+    assert accuracy["rows"] > 0 and 0 <= accuracy["exact_match"] <= 1 and accuracy["chance"] == pytest.approx(1 / 6)
+
+
+def test_stage_b_trains_only_the_memory_of_the_saved_base(demo):
+    trained, paths, info = demo["model"], demo["paths"], demo["run_info"]
+    # the base file, bit for bit, is the trained model's backbone
+    saved = load_file(str(paths["base"] / "model.safetensors"))
+    state = trained.state_dict()
+    for name, tensor in saved.items():
+        assert torch.equal(state[name], tensor), name
+    assert info["base_unchanged"] is True
+    memory = {name for name, param in trained.named_parameters() if param.requires_grad}
+    assert memory and all(not name.startswith(("model.", "lm_head.")) for name in memory)
+    assert info["trainable_parameters"]["memory"] == sum(p.numel() for p in trained.parameters() if p.requires_grad)
+    assert info["memory_settings"]["freeze_base"] is True
+    # the training data went through BABILong files
+    for path in paths["data"]:
+        rows = json.loads(path.read_text())
+        assert len(rows) == 8 and set(rows[0]) == {"input", "question", "target"}
+    # the titans-hf train code wrote the memory folder (with its training arguments)
+    assert (paths["memory"] / "training_args.json").is_file()
 
 
 def test_demo_writes_results_for_every_length_and_mode(demo):
@@ -69,7 +124,6 @@ def test_demo_writes_results_for_every_length_and_mode(demo):
             accuracy = results["accuracy"]["qa1"][length][mode]
             assert accuracy == cell[mode]["exact_match"]
             assert round(accuracy * 5) == pytest.approx(accuracy * 5)  # a count of 5 rows
-            assert 0 <= accuracy <= 1
     predictions = paths["predictions"].read_text().splitlines()
     assert len(predictions) == 2 * 5
     assert {json.loads(line)["length"] for line in predictions} == {"96", "128"}
@@ -78,11 +132,11 @@ def test_demo_writes_results_for_every_length_and_mode(demo):
 def test_demo_evaluates_held_out_rows(demo):
     tokenizer = demo["tokenizer"]
     lines = [json.loads(line) for line in demo["paths"]["predictions"].read_text().splitlines()]
-    # evaluation rows are the generator's rows for the evaluation seed (seed 500 for length 96, 501 for 128)
+    # evaluation rows are the generator's rows for the evaluation seeds (500 for length 96, 501 for 128)
     expected = generate_babilong("qa1", 5, 96, tokenizer, seed=500) + generate_babilong("qa1", 5, 128, tokenizer,
                                                                                          seed=501)
     assert [line["target"] for line in lines] == [row["target"] for row in expected]
-    training = generate_babilong("qa1", 6, 96, tokenizer, seed=101)
+    training = json.loads(demo["paths"]["data"][1].read_text())
     assert not {row["input"] for row in training} & {row["input"] for row in expected}
 
 
@@ -97,12 +151,13 @@ def test_demo_run_info_records_the_training(demo):
     assert info == json.loads(json.dumps(demo["run_info"]))
     assert info["steps"] == 3
     assert info["train_lengths"] == [0, 96] and info["eval_lengths"] == [96, 128]
-    assert info["num_train_rows"] == 12
-    assert info["curriculum_chunks"][0] < info["curriculum_chunks"][-1]  # bare stories first
-    assert info["memory_settings"]["freeze_base"] is False
+    # 90% of 8 rows per length, the split of the titans_babilong builder
+    assert info["num_train_rows"] == 2 * 7
+    assert info["curriculum_chunks"] == [1, 5]  # one-chunk bare stories first, then inputs of 3 chunks + question
+    assert set(info["timings"]) == {"stage_a_s", "stage_b_train_s", "eval_s", "total_s"}
 
 
-def test_demo_checkpoint_reloads_to_identical_logits(demo):
+def test_demo_memory_folder_reloads_to_identical_logits(demo):
     paths, trained = demo["paths"], demo["model"]
     config = json.loads((paths["memory"] / "memory_config.json").read_text())
     assert config["base_model_name_or_path"] == str(paths["base"])
@@ -115,9 +170,12 @@ def test_demo_checkpoint_reloads_to_identical_logits(demo):
         expected = trained(input_ids=input_ids).logits
         actual = reloaded(input_ids=input_ids).logits
         assert torch.equal(actual, expected)
-        # the base was trained jointly: the memory path matters, and switching it off changes the answer logits
         with reloaded.memory_disabled():
             ablated = reloaded(input_ids=input_ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(paths["base"]).eval()
+        chunkwise = torch.cat([plain(input_ids[:, s : s + 32]).logits for s in range(0, 70, 32)], dim=1)
+    # memory off is the frozen base run chunk by chunk; the trained memory changes the answers
+    assert torch.equal(ablated, chunkwise)
     assert not torch.equal(ablated[:, 40:], actual[:, 40:])
 
 
@@ -126,15 +184,14 @@ def test_demo_main_rejects_bad_lengths(tmp_path):
         main(["--output-dir", str(tmp_path), "--eval-chunks", "0"])
 
 
-def test_demo_with_a_given_model_trains_only_the_memory(tiny_qwen3_dir, tmp_path):
-    from transformers import AutoModelForCausalLM
-
+def test_demo_with_a_given_model_skips_stage_a(tiny_qwen3_dir, tmp_path):
     demo = run_demo(output_dir=tmp_path, model=str(tiny_qwen3_dir), train_chunks=(0, 3), eval_chunks=(3,),
                     num_train_samples=4, num_eval_samples=3, batch_size=4, max_steps=2, show_progress=False)
     assert demo["paths"]["base"] is None and not (tmp_path / "base").exists()
+    assert "stage_a_s" not in demo["run_info"]["timings"]
     config = json.loads((demo["paths"]["memory"] / "memory_config.json").read_text())
     assert config["base_model_name_or_path"] == str(tiny_qwen3_dir)
-    assert config["memory_settings"]["freeze_base"] is True
+    assert demo["run_info"]["base_unchanged"] is True
     base = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir).state_dict()
     trained = demo["model"].state_dict()
     for name, tensor in base.items():
@@ -148,11 +205,13 @@ def test_goal_report_applies_each_bar_to_its_lengths():
     def cell(memory, no_memory):
         return {"chance": 1 / 6, "memory": {"exact_match": memory}, "no_memory": {"exact_match": no_memory}}
 
-    results = {"details": {"qa1": {"96": cell(0.1, 0.9), "128": cell(0.9, 0.3), "256": cell(0.8, 0.2),
-                                   "512": cell(0.95, 0.4)}}}
+    results = {"details": {"qa1": {"96": cell(0.1, 0.9), "128": cell(0.9, 0.25), "512": cell(0.89, 0.2),
+                                   "1024": cell(0.85, 0.1), "2048": cell(0.95, 0.3)}}}
     lines = goal_report(results, longest_trained=128, chunk_size=32)
     # 96 tokens is under 4 chunks: not part of the goal
-    assert [line.split()[0] for line in lines] == ["128", "256", "512"]
-    assert lines[0].endswith(": met") and "goal >= 90%" in lines[0]  # 0.30 is 13.3 points above chance
-    assert lines[1].endswith(": met") and "goal >= 80%" in lines[1]
-    assert lines[2].endswith("NOT met")  # 0.40 without memory is 23.3 points above chance
+    assert [line.split()[1] for line in lines] == ["128", "512", "1024", "2048"]
+    assert lines[0].endswith(": met") and "goal >= 90%" in lines[0]  # 0.25 is 8.3 points above chance
+    assert lines[1].endswith("NOT met") and "goal >= 90%" in lines[1]  # 4x the longest trained: still 90%
+    assert lines[2].endswith(": met") and "goal >= 85%" in lines[2]  # 8x
+    assert lines[3].endswith("NOT met")  # 0.30 without memory is 13.3 points above chance
+

@@ -1,36 +1,26 @@
-"""The main job: teach a small Qwen3 with Titans memory BABILong QA1 on a CPU, then show that the memory is what
-answers.
+"""The main job: the user's recipe (a pretrained Qwen, frozen, learns to use a Titans memory) run offline on a CPU.
 
-Everything is built here, offline: QA1 stories hidden in distractor prose, a byte-level BPE tokenizer trained on
-that text (every task word is one token), a randomly initialised Qwen3 small enough to train in minutes. Attention
-sees one chunk of ``chunk_size`` tokens; the question sits after an input of several chunks, so the supporting
-fact is out of attention's reach and only the memory can carry it. Training uses ``TitansTrainer`` with a length
-curriculum (first the bare stories short enough for one chunk, then all rows: bare stories and stories in a
-haystack of 3 and 4 chunks); evaluation answers held-out stories with the memory on and off on the same weights
-at the longest trained length and at 2x, 4x and 8x it.
+No real Qwen can be downloaded here, so the job has two stages:
 
-Outputs (``outputs/demo/`` by default): ``results.json``, ``heatmap.png`` and ``predictions.jsonl`` (from
-`evaluate_babilong`), ``loss.png``, ``run.json`` (settings and timings), ``base/`` (the trained Qwen3 and its
-tokenizer) and ``memory/`` (``save_memory``: pushable with ``titans-hf push outputs/demo/memory REPO_ID``).
+a. **A stand-in base.** A small Qwen3 is trained as an ordinary causal LM with full attention (no memory, no
+   chunks) on the task's kind of text: prose, prose about the story's people and places, and bAbI stories with
+   questions and answers. It is saved with ``save_pretrained`` (weights, config, tokenizer) in ``base/``, a
+   folder like any downloaded Qwen. Its own full-attention accuracy on stories that fit one chunk is reported.
+b. **The user's recipe, unchanged.** BABILong files are written to ``data/``; the code behind ``titans-hf train``
+   (:func:`titans_hf.training.train_babilong.train_babilong`) loads them with
+   ``load_dataset("titans_babilong")``, loads ``base/`` frozen and trains only the memory, then saves it to
+   ``memory/``; the function behind ``titans-hf eval`` reloads that folder and scores it with the memory on and
+   off. The base's weights are checked bitwise against ``base/`` after training.
 
-The recipe, and why (measured on 2 shared CPU cores, 564 steps of 32 rows, held-out rows):
-
-* memory on layer 0 (MAG), linear per head (``memory_depth=1``), updated every 8 tokens, ``max_lr=1``;
-* the q/k convolution starts as a 6-token window average instead of the identity. A key then sees a fact's
-  actor and place together and a query sees the question's actor, from the first step. From the identity the
-  model settled on answering the last location mentioned (after 564 steps, at 4 chunks: 0.54 accuracy, 0.27 on
-  rows where that guess is wrong); from the window it reached 0.99 / 1.00;
-* short rows first: with the same steps on 4-chunk rows only, accuracy stayed at chance for 200 steps (0.96 at
-  the end), against 0.92 by step 150 when the first epoch held bare stories only;
-* memory after an attention layer instead of on layer 0 stayed near recency (0.34); an MLP memory
-  (``memory_depth=2``) also learns but needs twice the steps; 16-token memory updates reached 0.90;
-* the tiny base is trained jointly with the memory (a random base knows nothing to freeze); with ``--model``
-  the pretrained base stays frozen and only the memory trains.
+``--model`` (a Qwen folder or Hub id) skips stage a. Outputs (``outputs/demo/`` by default): ``base/``,
+``data/``, ``memory/``, ``results.json``, ``heatmap.png``, ``predictions.jsonl``, ``loss.png``, ``run.json``.
+Why the recipe looks the way it does is measured in ``docs/frozen_base.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import math
@@ -44,83 +34,206 @@ from typing import Any
 
 import datasets
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+from safetensors.torch import load_file
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DataCollatorForLanguageModeling,
+    Trainer,
+    TrainingArguments,
+    set_seed,
+)
 
 from titans_hf.data.babilong import (
     ACTORS,
     LOCATIONS,
     MOVE_VERBS,
+    OBJECTS,
     PROMPT_TEMPLATE,
-    build_example,
+    _random_fact,
+    _random_question,
+    _World,
     distractor_sentence,
     generate_babilong,
+    write_babilong_json,
 )
-from titans_hf.evaluation import evaluate_babilong, format_results_table
+from titans_hf.evaluation import evaluate_babilong, format_results_table, load_model_for_eval
 from titans_hf.local_models import build_qwen, build_tokenizer
-from titans_hf.modeling import TitansQwenForCausalLM
-from titans_hf.training.trainer import TitansTrainer, TitansTrainingArguments
+from titans_hf.training.train_babilong import BabilongTrainingArguments, DataArguments, ModelArguments, train_babilong
 
 logger = logging.getLogger(__name__)
 
-TASK = "qa1"
 BASE_DIR_NAME = "base"
+DATA_DIR_NAME = "data"
 MEMORY_DIR_NAME = "memory"
 LOSS_PLOT_NAME = "loss.png"
 RUN_INFO_NAME = "run.json"
 
-# The small Qwen3 built when no --model is given: big enough to learn QA1, small enough for minutes of CPU.
-TINY_BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+# The stand-in base: big enough to learn the domain's language, small enough for minutes of CPU.
+STAND_IN_BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+# Memory settings of the recipe (the rest are TitansQwenConfig defaults); see docs/frozen_base.md.
 MEMORY_SETTINGS = dict(
-    variant="mag",
-    memory_layers=[0],
     memory_num_heads=4,
     memory_head_dim=16,
     memory_depth=1,
     conv_kernel=6,  # spans "Mary went back to the kitchen" and "Mary? \nAnswer:"
-    conv_init="window",  # q/k start as the mean of the 6 taps: actor and place in one key from the first step
     memory_chunk_size=8,
     max_lr=1.0,
     checkpoint_chunks=False,  # a few hundred tokens: recomputation would only cost time
 )
 
+# What people and places are like, in the stand-in's pretraining text. In real text every name has contexts of its
+# own; in the bAbI stories alone the four actors (and the six places) are interchangeable, and a model trained on
+# them learns one embedding for all four: its memory could then not tell whose fact it stores.
+ENTITY_TRAITS: dict[str, list[str]] = {
+    "John": ["John fixed the old fence with nails", "John the carpenter sawed a plank of oak",
+             "John whistled while he mended the roof", "John sharpened his chisel"],
+    "Mary": ["Mary baked a loaf of bread", "Mary the baker kneaded the dough", "Mary sang while the oven warmed",
+             "Mary dusted flour from her apron"],
+    "Sandra": ["Sandra read a book of poems", "Sandra the teacher marked the essays", "Sandra wrote a letter in ink",
+               "Sandra opened the old atlas"],
+    "Daniel": ["Daniel fed the horses", "Daniel the farmer ploughed the field", "Daniel milked the brown cow",
+               "Daniel carried hay to the barn"],
+    "bathroom": ["The bathroom smelled of soap", "Water dripped from the tap in the bathroom",
+                 "The bathroom mirror was fogged"],
+    "bedroom": ["The bedroom had a soft quilt", "A pillow lay on the bed in the bedroom",
+                "The bedroom curtains were drawn"],
+    "garden": ["The garden was full of roses", "Bees hummed over the garden", "The garden path was lined with tulips"],
+    "hallway": ["The hallway was long and narrow", "Coats hung along the hallway", "The hallway floor creaked"],
+    "kitchen": ["The kitchen smelled of soup", "Pots hung above the stove in the kitchen",
+                "The kitchen table was set for dinner"],
+    "office": ["The office was full of papers", "A typewriter clattered in the office", "The office desk held a lamp"],
+    "football": ["The football was scuffed from the match", "The football bounced off the wall"],
+    "apple": ["The apple was red and ripe", "The apple had a small bruise"],
+    "milk": ["The milk was fresh from the farm", "The milk stood cold in a jug"],
+}
+
+
+def entity_sentence(rng: random.Random) -> str:
+    """A sentence about one of the story's people, places or objects."""
+    return rng.choice(ENTITY_TRAITS[rng.choice(sorted(ENTITY_TRAITS))]) + "."
+
+
+def domain_documents(task: str, num_documents: int, sentences: int = 14, seed: int = 0) -> list[str]:
+    """The stand-in's pretraining text: each document mixes distractor prose, sentences about the story's entities
+    and one bAbI story whose questions are asked and answered in BABILong's prompt format as it unfolds."""
+    rng = random.Random(f"titans_hf.demo.documents:{task}:{seed}")
+    documents = []
+    for _ in range(num_documents):
+        world, parts = _World(), []
+        for _ in range(sentences):
+            roll = rng.random()
+            if roll < 0.35:
+                parts.append(entity_sentence(rng))
+            elif roll < 0.55:
+                parts.append(distractor_sentence(rng))
+            else:
+                parts.append(_random_fact(task, world, rng))
+                asked = _random_question(task, world, rng) if rng.random() < 0.3 else None
+                if asked is not None:
+                    question, answer = asked
+                    parts.append(PROMPT_TEMPLATE.format(input="", question=question) + f" {answer}\n\n")
+        documents.append(" ".join(parts).replace("\n\n ", "\n\n"))
+    return documents
+
 
 def build_demo_tokenizer(out_dir: str | Path, vocab_size: int = 1024, seed: int = 0):
     """A byte-level BPE tokenizer trained on the demo's own kind of text.
 
-    Trained on distractor prose, every QA1 fact and the prompt template, so each actor, location and question word
-    is one token: the memory then binds one token to one token, and a place is one answer token.
+    Every actor, location, object and question word is one token: the memory then binds one token to one token,
+    and a place is one answer token.
     """
-    rng = random.Random(f"titans_hf.demo.tokenizer:{seed}")
-    facts = [f"{actor} {verb} the {location}." for actor in ACTORS for verb in MOVE_VERBS for location in LOCATIONS]
-    prompts = [
-        " ".join(rng.sample(facts, 5))
-        + PROMPT_TEMPLATE.format(input="", question=f"Where is {actor}? ")
-        + f" {location}"
-        for actor in ACTORS
-        for location in LOCATIONS
-        for _ in range(20)
-    ]
-    texts = [distractor_sentence(rng) for _ in range(3000)] + prompts
+    texts = domain_documents("qa2", 2000, seed=seed)
+    # every fact of every task and every entity sentence, so none of their words is split
+    texts += [f"{actor} {verb} the {location}." for actor in ACTORS for verb in MOVE_VERBS for location in LOCATIONS]
+    texts += [f"{actor} took the {obj}." for actor in ACTORS for obj in OBJECTS]
+    texts += [sentence for sentences in ENTITY_TRAITS.values() for sentence in sentences]
     return build_tokenizer(texts, out_dir, vocab_size=vocab_size)
 
 
-def generate_rows(tokenizer, lengths: list[int], num_samples: int, seed: int) -> dict[int, list[dict[str, str]]]:
-    """QA1 rows per input length (tokens; 0 = the bare story)."""
-    return {
-        length: generate_babilong(TASK, num_samples, length, tokenizer, seed=seed + index, show_progress=True)
+def pretrain_base(
+    base_dir: str | Path,
+    tokenizer,
+    task: str = "qa1",
+    steps: int = 800,
+    batch_size: int = 32,
+    learning_rate: float = 3e-3,
+    max_tokens: int = 160,
+    seed: int = 0,
+    show_progress: bool = True,
+) -> dict[str, Any]:
+    """Stage a: train a small Qwen3 on `domain_documents` as an ordinary causal LM with full attention, with the
+    plain `transformers.Trainer`, and save it with its tokenizer in `base_dir`. Returns what was done."""
+    model = build_qwen(base_dir, vocab_size=len(tokenizer), family="qwen3", seed=seed,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **STAND_IN_BASE)
+    documents = domain_documents(task, steps * batch_size, seed=seed)
+    encoded = tokenizer(documents, truncation=True, max_length=max_tokens - 1)["input_ids"]
+    rows = datasets.Dataset.from_dict({"input_ids": [ids + [tokenizer.eos_token_id] for ids in encoded]})
+    with tempfile.TemporaryDirectory(prefix="titans_demo_pretrain_") as scratch:
+        args = TrainingArguments(
+            output_dir=scratch,
+            max_steps=steps,
+            per_device_train_batch_size=batch_size,
+            learning_rate=learning_rate,
+            lr_scheduler_type="cosine",
+            warmup_steps=30,
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            logging_steps=max(1, steps // 10),
+            save_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            seed=seed,
+            disable_tqdm=not show_progress,
+        )
+        collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+        trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collator)
+        trainer.train()
+    model.save_pretrained(base_dir)
+    tokenizer.save_pretrained(base_dir)
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return {"steps": trainer.state.global_step, "documents": len(documents), "final_loss": losses[-1],
+            "shape": STAND_IN_BASE}
+
+
+def base_accuracy(base: str | Path, tokenizer, task: str, chunk_size: int, num_rows: int = 200,
+                  seed: int = 900) -> dict[str, Any]:
+    """The plain base (full attention) on bare stories whose prompt fits one chunk: what it can do in context."""
+    model = AutoModelForCausalLM.from_pretrained(base)
+    rows = [row for row in generate_babilong(task, 4 * num_rows, 0, tokenizer, seed=seed)
+            if len(tokenizer(PROMPT_TEMPLATE.format(**row))["input_ids"]) <= chunk_size][:num_rows]
+    results = evaluate_babilong(model, tokenizer, {(task, 0): rows}, max_new_tokens=3, batch_size=64,
+                                ablation=False, show_progress=False)
+    cell = results["details"][task]["0"]
+    return {"rows": len(rows), "exact_match": cell["memory"]["exact_match"],
+            "last_location_baseline": cell["last_location_baseline"], "chance": cell["chance"]}
+
+
+def write_training_files(data_dir: str | Path, tokenizer, task: str, lengths: list[int], num_samples: int,
+                         seed: int) -> list[Path]:
+    """BABILong JSON files (input / question / target), one per input length in tokens (0: bare stories)."""
+    return [
+        write_babilong_json(generate_babilong(task, num_samples, length, tokenizer, seed=seed + index),
+                            Path(data_dir) / task / f"train_{length}.json")
         for index, length in enumerate(lengths)
-    }
+    ]
 
 
-def training_dataset(rows_by_length: dict[int, list[dict[str, str]]], tokenizer) -> datasets.Dataset:
-    """Unpadded examples (the collator pads each batch to whole chunks, which the curriculum needs)."""
-    examples = []
-    for rows in rows_by_length.values():
-        for row in rows:
-            # whole rows: the budget is never binding (the input was generated to its length)
-            examples.append(build_example(row, tokenizer, max_length=1 << 30, answer_reserve_tokens=16,
-                                          pad_to_max_length=False))
-    return datasets.Dataset.from_list(examples)
+def file_sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def base_weights_unchanged(model, base_dir: str | Path) -> bool:
+    """Every tensor of the base's safetensors file equals, bit for bit, the trained model's tensor of that name."""
+    saved = {}
+    for file in sorted(Path(base_dir).glob("*.safetensors")):
+        saved.update(load_file(str(file)))
+    state = model.state_dict()
+    return bool(saved) and all(name in state and torch.equal(state[name].cpu(), tensor) for name, tensor in saved.items())
 
 
 def plot_loss_curve(log_history: list[dict[str, Any]], path: str | Path, steps_per_epoch: int,
@@ -145,7 +258,7 @@ def plot_loss_curve(log_history: list[dict[str, Any]], path: str | Path, steps_p
         axis.text(stage * steps_per_epoch, axis.get_ylim()[1], f" rows of up to {chunks} chunks", va="top", fontsize=8,
                   color="tab:orange")
     axis.legend(loc="lower left", fontsize=8)
-    axis.set_title("BABILong QA1 with Titans memory: training loss")
+    axis.set_title("BABILong with Titans memory on a frozen base: training loss")
     path = Path(path)
     temporary = path.with_name(f".{path.name}.tmp")
     figure.savefig(temporary, format="png", dpi=120, bbox_inches="tight")
@@ -154,37 +267,31 @@ def plot_loss_curve(log_history: list[dict[str, Any]], path: str | Path, steps_p
     return path
 
 
-def _save_trained_base(model: TitansQwenForCausalLM, base_dir: Path) -> None:
-    """Write the jointly trained backbone back as a plain Qwen folder (its keys are the backbone's own)."""
-    backbone = AutoModelForCausalLM.from_pretrained(base_dir)
-    backbone_state = {name: tensor for name, tensor in model.state_dict().items()
-                      if name.startswith(("model.", "lm_head."))}
-    backbone.load_state_dict(backbone_state, strict=True)
-    backbone.save_pretrained(base_dir)
-
-
 def run_demo(
     output_dir: str | Path = "outputs/demo",
     model: str | None = None,
+    task: str = "qa1",
     chunk_size: int = 32,
     train_chunks: tuple[int, ...] = (0, 3, 4),
     eval_chunks: tuple[int, ...] = (4, 8, 16, 32),
+    pretrain_steps: int = 800,
     num_train_samples: int = 1000,
     num_eval_samples: int = 200,
-    epochs: int = 6,
+    epochs: int = 10,
     batch_size: int = 32,
     learning_rate: float = 3e-3,
+    memory_settings: dict[str, Any] | None = None,
     seed: int = 0,
     threads: int | None = 1,
     max_steps: int = -1,
     show_progress: bool = True,
 ) -> dict[str, Any]:
-    """Generate, build, train, save, reload and evaluate; returns results, paths, the trained model and tokenizer.
+    """Stage a (unless `model` names a base), then stage b; returns results, run info, paths and the trained model.
 
-    Lengths are given in chunks of the input (the question comes after it); `train_chunks` 0 means bare
-    stories. The first epoch trains on the rows of the fewest chunks (bare stories that fit one chunk, as
-    RMT/ARMT start from one segment), later epochs on all.
-    Evaluation rows come from another generator seed than training rows.
+    Lengths are given in chunks of the input (the question comes after it); `train_chunks` 0 means bare stories.
+    The first epoch trains on rows of one chunk (bare stories), later epochs on all. Evaluation rows come from
+    other generator seeds than training rows. `memory_settings` override `MEMORY_SETTINGS` (and the
+    TitansQwenConfig defaults: variant, memory_layers, ...).
     """
     started = time.time()
     if threads is not None:
@@ -195,39 +302,47 @@ def run_demo(
         raise ValueError(f"run_demo: train_chunks {train_chunks} must be >= 0 and eval_chunks {eval_chunks} >= 1")
     output = Path(output_dir)
     output.mkdir(parents=True, exist_ok=True)
-    base_dir, memory_dir = output / BASE_DIR_NAME, output / MEMORY_DIR_NAME
+    base_dir, data_dir, memory_dir = output / BASE_DIR_NAME, output / DATA_DIR_NAME, output / MEMORY_DIR_NAME
     set_seed(seed)
     timings: dict[str, float] = {}
+    run_info: dict[str, Any] = {"task": task, "seed": seed, "chunk_size": chunk_size}
 
+    # ---- stage a: the stand-in base ----
     if model is None:
         tokenizer = build_demo_tokenizer(base_dir, seed=seed)
-        build_qwen(base_dir, vocab_size=len(tokenizer), family="qwen3", seed=seed, eos_token_id=tokenizer.eos_token_id,
-                   pad_token_id=tokenizer.pad_token_id, **TINY_BASE)
+        run_info["pretraining"] = pretrain_base(base_dir, tokenizer, task=task, steps=pretrain_steps, seed=seed,
+                                                show_progress=show_progress)
         base = str(base_dir)
-        memory_settings = dict(MEMORY_SETTINGS, freeze_base=False)
+        timings["stage_a_s"] = time.time() - started
+        logger.info("stage a: stand-in base pretrained in %.0fs (%d steps), saved to %s", timings["stage_a_s"],
+                    run_info["pretraining"]["steps"], base_dir)
     else:
-        tokenizer = AutoTokenizer.from_pretrained(model)
         base = model
-        # a pretrained base stays as it is; memory heads of the usual size for a wide model
-        memory_settings = dict(MEMORY_SETTINGS, memory_num_heads=None, memory_head_dim=64, freeze_base=True)
-    memory_settings["chunk_size"] = chunk_size
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    run_info["base"] = base
+    run_info["base_accuracy"] = base_accuracy(base, tokenizer, task, chunk_size, seed=900 + seed)
+    logger.info("base, full attention, on %d stories that fit one chunk: %.1f%% exact match (chance %.1f%%)",
+                run_info["base_accuracy"]["rows"], 100 * run_info["base_accuracy"]["exact_match"],
+                100 * run_info["base_accuracy"]["chance"])
 
+    # ---- stage b: the user's recipe ----
+    stage_b_started = time.time()
+    base_files = sorted(Path(base).glob("*.safetensors")) if Path(base).is_dir() else []
+    hashes_before = {file.name: file_sha256(file) for file in base_files}
     train_lengths = [chunks * chunk_size for chunks in train_chunks]
     eval_lengths = [chunks * chunk_size for chunks in eval_chunks]
-    train_rows = generate_rows(tokenizer, train_lengths, num_train_samples, seed=1000 * seed + 100)
-    eval_rows = generate_rows(tokenizer, eval_lengths, num_eval_samples, seed=1000 * seed + 500)
-    train_set = training_dataset(train_rows, tokenizer)
-    timings["data_s"] = time.time() - started
-
-    titans = TitansQwenForCausalLM.from_base(base, **memory_settings)
-    # curriculum stages in chunks of whole examples: the shortest rows first, then everything
-    row_chunks = [math.ceil(len(ids) / chunk_size) for ids in train_set["input_ids"]]
-    stages = sorted({max(row_chunks)} | {min(row_chunks)})
-    steps_per_epoch = math.ceil(len(train_set) / batch_size)
+    data_files = write_training_files(data_dir, tokenizer, task, train_lengths, num_train_samples,
+                                      seed=1000 * seed + 100)
+    # the first stage holds rows of one chunk (bare stories); the last, every row (input + question)
+    stages = [1, max(train_chunks) + 2]
+    settings = dict(MEMORY_SETTINGS, **(memory_settings or {}))
+    model_args = ModelArguments(model_name_or_path=base, chunk_size=chunk_size, **settings)
+    data_args = DataArguments(data_files=[str(path) for path in data_files], max_length=(max(stages) + 1) * chunk_size,
+                              answer_reserve_tokens=16, generation_seed=seed)
+    steps_per_epoch = math.ceil(0.9 * num_train_samples * len(train_lengths) / batch_size)
     planned_steps = max_steps if max_steps > 0 else epochs * steps_per_epoch
-    scratch = tempfile.TemporaryDirectory(prefix="titans_demo_trainer_")  # no checkpoints: nothing worth keeping
-    args = TitansTrainingArguments(
-        output_dir=scratch.name,
+    training_args = BabilongTrainingArguments(
+        output_dir=str(memory_dir),
         per_device_train_batch_size=batch_size,
         gradient_accumulation_steps=1,
         learning_rate=learning_rate,
@@ -247,55 +362,46 @@ def run_demo(
         dataloader_num_workers=0,
         disable_tqdm=not show_progress,
     )
-    trainer = TitansTrainer(model=titans, args=args, train_dataset=train_set, processing_class=tokenizer)
-    train_started = time.time()
-    with scratch:
-        trainer.train()
-    timings["train_s"] = time.time() - train_started
+    trainer = train_babilong(model_args, data_args, training_args)
+    trained = trainer.model
+    timings["stage_b_train_s"] = time.time() - stage_b_started
+    trainable = sum(p.numel() for p in trained.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in trained.parameters())
+    run_info["trainable_parameters"] = {"memory": trainable, "total": total, "share": trainable / total}
+    if base_files:
+        run_info["base_unchanged"] = (base_weights_unchanged(trained, base)
+                                      and {f.name: file_sha256(f) for f in base_files} == hashes_before)
     plot_loss_curve(trainer.state.log_history, output / LOSS_PLOT_NAME, steps_per_epoch, stages)
 
-    if model is None:
-        _save_trained_base(titans, base_dir)
-    titans.config.base_model_name_or_path = base
-    titans.save_memory(memory_dir)
     # evaluate what was saved: the folder a user pushes is the one measured
-    reloaded = TitansQwenForCausalLM.from_base_and_memory(base, memory_dir)
     eval_started = time.time()
-    results = evaluate_babilong(
-        reloaded,
-        tokenizer,
-        {(TASK, length): eval_rows[length] for length in eval_lengths},
-        max_new_tokens=3,
-        batch_size=64,
-        output_dir=output,
-        show_progress=show_progress,
-    )
+    reloaded, _ = load_model_for_eval(memory_dir, tokenizer=base)
+    eval_rows = {length: generate_babilong(task, num_eval_samples, length, tokenizer, seed=1000 * seed + 500 + index)
+                 for index, length in enumerate(eval_lengths)}
+    results = evaluate_babilong(reloaded, tokenizer, {(task, length): eval_rows[length] for length in eval_lengths},
+                                max_new_tokens=3, batch_size=64, output_dir=output, show_progress=show_progress)
     timings["eval_s"] = time.time() - eval_started
     timings["total_s"] = time.time() - started
-    run_info = {
-        "model": model or "tiny Qwen3 built locally",
-        "base_shape": TINY_BASE if model is None else None,
-        "memory_settings": titans.config.memory_settings(),
-        "chunk_size": chunk_size,
+    run_info.update({
+        "memory_settings": trained.config.memory_settings(),
         "train_lengths": train_lengths,
         "eval_lengths": eval_lengths,
-        "num_train_rows": len(train_set),
+        "num_train_rows": len(trainer.train_dataset),
         "curriculum_chunks": stages,
         "steps": trainer.state.global_step,
         "epochs": epochs,
         "batch_size": batch_size,
         "learning_rate": learning_rate,
-        "seed": seed,
         "threads": torch.get_num_threads(),
         "timings": {key: round(value, 1) for key, value in timings.items()},
-    }
+    })
     temporary = output / f".{RUN_INFO_NAME}.tmp"
     temporary.write_text(json.dumps(run_info, indent=2) + "\n")
     os.replace(temporary, output / RUN_INFO_NAME)
     return {
         "results": results,
         "run_info": run_info,
-        "model": titans,
+        "model": trained,
         "tokenizer": tokenizer,
         "paths": {
             "results": output / "results.json",
@@ -303,84 +409,108 @@ def run_demo(
             "predictions": output / "predictions.jsonl",
             "loss_curve": output / LOSS_PLOT_NAME,
             "run_info": output / RUN_INFO_NAME,
-            "base": Path(base) if model is None else None,
+            "base": base_dir if model is None else None,
+            "data": data_files,
             "memory": memory_dir,
         },
     }
 
 
 def goal_report(results: dict[str, Any], longest_trained: int, chunk_size: int) -> list[str]:
-    """The main job's goal, checked cell by cell from 4 chunks on: >= 90% with the memory up to the longest trained
-    length and >= 80% beyond it (2x and more), while the same weights without the memory stay within 15 points
-    of chance."""
+    """The main job's goal, checked cell by cell from 4 chunks on: >= 90% with the memory up to 4x the longest
+    trained length and >= 85% beyond it, while the same weights without the memory stay within 10 points of
+    chance."""
     lines = []
-    for length, cell in results["details"][TASK].items():
-        tokens = int(length)
-        if tokens < 4 * chunk_size:
-            continue
-        memory, no_memory, chance = cell["memory"]["exact_match"], cell["no_memory"]["exact_match"], cell["chance"]
-        needed = 0.8 if tokens > longest_trained else 0.9
-        met = memory >= needed and abs(no_memory - chance) <= 0.15
-        lines.append(f"{length:>6} tokens: memory {100 * memory:.1f}% (goal >= {100 * needed:.0f}%), no memory "
-                     f"{100 * no_memory:.1f}% (goal within 15 points of {100 * chance:.1f}%): "
-                     f"{'met' if met else 'NOT met'}")
+    for task, per_length in results["details"].items():
+        for length, cell in per_length.items():
+            tokens = int(length)
+            if tokens < 4 * chunk_size:
+                continue
+            memory, no_memory, chance = cell["memory"]["exact_match"], cell["no_memory"]["exact_match"], cell["chance"]
+            needed = 0.85 if tokens > 4 * longest_trained else 0.9
+            met = memory >= needed and abs(no_memory - chance) <= 0.10
+            lines.append(f"{task} {length:>6} tokens: memory {100 * memory:.1f}% (goal >= {100 * needed:.0f}%), "
+                         f"no memory {100 * no_memory:.1f}% (goal within 10 points of {100 * chance:.1f}%): "
+                         f"{'met' if met else 'NOT met'}")
     return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m titans_hf.demo",
-        description="Train a Qwen with Titans memory on BABILong QA1 on the CPU and show what the memory does.",
+        description="Pretrain a stand-in Qwen (or take --model), freeze it, train a Titans memory on BABILong with "
+        "the titans-hf train code, and score it with and without the memory.",
     )
     parser.add_argument("--model", default=None,
-                        help="a real Qwen2/Qwen3 (local folder or hub id) whose frozen base gets the memory; "
-                        "default: a tiny Qwen3 built and trained here")
+                        help="a pretrained Qwen2/Qwen3 (local folder or Hub id) used as the frozen base; skips stage a")
     parser.add_argument("--output-dir", default="outputs/demo")
+    parser.add_argument("--task", default="qa1", choices=["qa1", "qa2", "qa3"])
     parser.add_argument("--chunk-size", type=int, default=32, help="attention segment in tokens")
     parser.add_argument("--train-chunks", type=int, nargs="+", default=[0, 3, 4],
                         help="input lengths trained on, in chunks (0 = bare stories)")
     parser.add_argument("--eval-chunks", type=int, nargs="+", default=[4, 8, 16, 32],
                         help="input lengths evaluated, in chunks")
+    parser.add_argument("--pretrain-steps", type=int, default=800, help="stage a: steps of the stand-in base")
     parser.add_argument("--num-train-samples", type=int, default=1000, help="rows per training length")
     parser.add_argument("--num-eval-samples", type=int, default=200, help="rows per evaluation length")
-    parser.add_argument("--epochs", type=int, default=6, help="the first on the rows of the fewest chunks, the rest on all")
+    parser.add_argument("--epochs", type=int, default=10, help="the first on one-chunk rows, the rest on all")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--variant", default=None, choices=["mag", "mal", "mac"], help="default: the config's")
+    parser.add_argument("--memory-layers", type=int, nargs="+", default=None, help="default: the config's")
+    parser.add_argument("--memory-depth", type=int, default=None, help="default: 1")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1 measured fastest for this small model; more only adds overhead)")
     args = parser.parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(message)s", level=logging.INFO, datefmt="%H:%M:%S")
     logging.getLogger("transformers").setLevel(logging.WARNING)
+    overrides = {"variant": args.variant, "memory_layers": args.memory_layers, "memory_depth": args.memory_depth}
+    if args.variant == "mac":
+        overrides["num_memory_tokens"] = 4
     demo = run_demo(
         output_dir=args.output_dir,
         model=args.model,
+        task=args.task,
         chunk_size=args.chunk_size,
         train_chunks=tuple(args.train_chunks),
         eval_chunks=tuple(args.eval_chunks),
+        pretrain_steps=args.pretrain_steps,
         num_train_samples=args.num_train_samples,
         num_eval_samples=args.num_eval_samples,
         epochs=args.epochs,
         batch_size=args.batch_size,
         learning_rate=args.learning_rate,
+        memory_settings={key: value for key, value in overrides.items() if value is not None},
         seed=args.seed,
         threads=args.threads,
     )
     info = demo["run_info"]
+    timings = info["timings"]
     print()
-    print(f"BABILong QA1, input lengths in tokens (chunks of {info['chunk_size']}; trained up to "
+    if "stage_a_s" in timings:
+        print(f"stage a (stand-in base, {info['pretraining']['steps']} steps): {timings['stage_a_s']:.0f}s")
+    accuracy = info["base_accuracy"]
+    print(f"base alone, full attention, {accuracy['rows']} stories that fit one chunk: "
+          f"{100 * accuracy['exact_match']:.1f}% (last place mentioned {100 * accuracy['last_location_baseline']:.1f}%, "
+          f"chance {100 * accuracy['chance']:.1f}%)")
+    params = info["trainable_parameters"]
+    print(f"stage b: trainable (memory) parameters {params['memory']:,} of {params['total']:,} "
+          f"({100 * params['share']:.1f}%), {info['steps']} steps in {timings['stage_b_train_s']:.0f}s, "
+          f"evaluation {timings['eval_s']:.0f}s")
+    if "base_unchanged" in info:
+        print(f"base weights bitwise unchanged by stage b: {'yes' if info['base_unchanged'] else 'NO'}")
+    print(f"\nBABILong {info['task']}, input lengths in tokens (chunks of {info['chunk_size']}; trained up to "
           f"{max(info['train_lengths'])} tokens), accuracy in %:")
     print(format_results_table(demo["results"]))
-    print("\nGoal (issue 7):")
+    print("\nGoal:")
     print("\n".join(goal_report(demo["results"], max(info["train_lengths"]), info["chunk_size"])))
-    timings = info["timings"]
-    print(f"\n{info['steps']} training steps in {timings['train_s']:.0f}s, evaluation {timings['eval_s']:.0f}s, "
-          f"total {timings['total_s']:.0f}s")
+    print(f"\ntotal {timings['total_s']:.0f}s")
     paths = demo["paths"]
     print(f"results:     {paths['results']}\nheatmap:     {paths['heatmap']}\nloss curve:  {paths['loss_curve']}\n"
           f"memory:      {paths['memory']}  (titans-hf push {paths['memory']} YOUR_NAME/REPO)")
     if paths["base"] is not None:
-        print(f"base model:  {paths['base']}  (the tiny Qwen3 trained here, with its tokenizer)")
+        print(f"base model:  {paths['base']}  (the stand-in Qwen3 pretrained here, with its tokenizer)")
     return 0
 
 

@@ -113,8 +113,8 @@ def load_babilong_splits(
 ) -> tuple[datasets.Dataset, datasets.Dataset]:
     """Train and evaluation rows of the `titans_babilong` builder, one build per source.
 
-    The builder-class route (`build_babilong`) rather than `load_dataset`: without data files,
-    `load_dataset` would infer them from the working directory instead of generating.
+    BABILong files go through `load_dataset("titans_babilong", data_files=...)`, as a user would
+    load them; generated rows through the builder-class route (`build_babilong`), one build per length.
     """
     common = dict(
         tokenizer=tokenizer_name_or_path,
@@ -125,7 +125,7 @@ def load_babilong_splits(
         seed=data_args.generation_seed,
     )
     if data_args.data_files:
-        builds = [build_babilong(data_files=list(data_args.data_files), **common)]
+        builds = [datasets.load_dataset("titans_babilong", data_files=list(data_args.data_files), **common)]
     elif data_args.generate_lengths:
         haystack = tuple(data_args.haystack_files) if data_args.haystack_files else None
         builds = [
