@@ -1,5 +1,5 @@
-"""The main job in miniature: stage a (pretrain and save a stand-in Qwen) and stage b (the user's recipe: BABILong files,
-the titans-hf train code on the frozen base, the titans-hf eval function on the saved memory), in seconds."""
+"""The main job in miniature: stage a (pretrain and save a stand-in Qwen) and stage b (the user's recipe: BABILong
+files, the titans-hf train code on the frozen base, the titans-hf eval function on the saved memory), in seconds."""
 
 from __future__ import annotations
 

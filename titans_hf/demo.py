@@ -114,25 +114,26 @@ def entity_sentence(rng: random.Random) -> str:
     return rng.choice(ENTITY_TRAITS[rng.choice(sorted(ENTITY_TRAITS))]) + "."
 
 
-def domain_documents(task: str, num_documents: int, sentences: int = 14, seed: int = 0) -> list[str]:
-    """The stand-in's pretraining text: each document mixes distractor prose, sentences about the story's entities
-    and one bAbI story whose questions are asked and answered in BABILong's prompt format as it unfolds."""
+def domain_documents(task: str, num_documents: int, characters: int = 400, seed: int = 0) -> list[str]:
+    """Documents of the stand-in's pretraining text: sentences about the story's people, places and objects (half),
+    distractor prose (a fifth) and the facts of one bAbI story (the rest), its questions asked and answered in
+    BABILong's prompt format as the story unfolds (after three sentences in ten, once someone has moved)."""
     rng = random.Random(f"titans_hf.demo.documents:{task}:{seed}")
     documents = []
     for _ in range(num_documents):
         world, parts = _World(), []
-        for _ in range(sentences):
+        while len(" ".join(parts)) < characters:
             roll = rng.random()
-            if roll < 0.35:
+            if roll < 0.5:
                 parts.append(entity_sentence(rng))
-            elif roll < 0.55:
+            elif roll < 0.7:
                 parts.append(distractor_sentence(rng))
             else:
                 parts.append(_random_fact(task, world, rng))
-                asked = _random_question(task, world, rng) if rng.random() < 0.3 else None
-                if asked is not None:
-                    question, answer = asked
-                    parts.append(PROMPT_TEMPLATE.format(input="", question=question) + f" {answer}\n\n")
+            asked = _random_question(task, world, rng) if world.actor_location and rng.random() < 0.3 else None
+            if asked is not None:
+                question, answer = asked
+                parts.append(PROMPT_TEMPLATE.format(input="", question=question) + f" {answer}\n\n")
         documents.append(" ".join(parts).replace("\n\n ", "\n\n"))
     return documents
 
@@ -159,14 +160,25 @@ def pretrain_base(
     batch_size: int = 32,
     learning_rate: float = 3e-3,
     max_tokens: int = 160,
+    haystack_lengths: tuple[int, ...] = (0, 96),
     seed: int = 0,
     show_progress: bool = True,
 ) -> dict[str, Any]:
     """Stage a: train a small Qwen3 on `domain_documents` as an ordinary causal LM with full attention, with the
-    plain `transformers.Trainer`, and save it with its tokenizer in `base_dir`. Returns what was done."""
+    plain `transformers.Trainer`, and save it with its tokenizer in `base_dir`. Returns what was done.
+
+    Rows are at most `max_tokens` long, so the base learns positions a few chunks long."""
     model = build_qwen(base_dir, vocab_size=len(tokenizer), family="qwen3", seed=seed,
                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **STAND_IN_BASE)
-    documents = domain_documents(task, steps * batch_size, seed=seed)
+    # about one row in two a document, the rest BABILong rows with their answers (`haystack_lengths`: bare stories
+    # and stories in a short haystack)
+    rows_needed = steps * batch_size
+    documents = domain_documents(task, rows_needed // 2, seed=seed)
+    for index, length in enumerate(haystack_lengths):
+        rows = generate_babilong(task, rows_needed // (2 * len(haystack_lengths)), length, tokenizer,
+                                 seed=10_000 + 10 * seed + index)
+        documents += [PROMPT_TEMPLATE.format(**row) + f" {row['target']}" for row in rows]
+    random.Random(seed).shuffle(documents)
     encoded = tokenizer(documents, truncation=True, max_length=max_tokens - 1)["input_ids"]
     rows = datasets.Dataset.from_dict({"input_ids": [ids + [tokenizer.eos_token_id] for ids in encoded]})
     with tempfile.TemporaryDirectory(prefix="titans_demo_pretrain_") as scratch:
@@ -233,7 +245,8 @@ def base_weights_unchanged(model, base_dir: str | Path) -> bool:
     for file in sorted(Path(base_dir).glob("*.safetensors")):
         saved.update(load_file(str(file)))
     state = model.state_dict()
-    return bool(saved) and all(name in state and torch.equal(state[name].cpu(), tensor) for name, tensor in saved.items())
+    return bool(saved) and all(name in state and torch.equal(state[name].cpu(), tensor)
+                               for name, tensor in saved.items())
 
 
 def plot_loss_curve(log_history: list[dict[str, Any]], path: str | Path, steps_per_epoch: int,
@@ -277,7 +290,7 @@ def run_demo(
     pretrain_steps: int = 800,
     num_train_samples: int = 1000,
     num_eval_samples: int = 200,
-    epochs: int = 10,
+    epochs: int = 14,
     batch_size: int = 32,
     learning_rate: float = 3e-3,
     memory_settings: dict[str, Any] | None = None,
@@ -310,8 +323,10 @@ def run_demo(
     # ---- stage a: the stand-in base ----
     if model is None:
         tokenizer = build_demo_tokenizer(base_dir, seed=seed)
-        run_info["pretraining"] = pretrain_base(base_dir, tokenizer, task=task, steps=pretrain_steps, seed=seed,
-                                                show_progress=show_progress)
+        # BABILong rows of the pretraining text: bare stories and the shortest haystack that stage b trains on
+        haystacks = (0, min([chunks for chunks in train_chunks if chunks > 0], default=3) * chunk_size)
+        run_info["pretraining"] = pretrain_base(base_dir, tokenizer, task=task, steps=pretrain_steps,
+                                                haystack_lengths=haystacks, seed=seed, show_progress=show_progress)
         base = str(base_dir)
         timings["stage_a_s"] = time.time() - started
         logger.info("stage a: stand-in base pretrained in %.0fs (%d steps), saved to %s", timings["stage_a_s"],
@@ -453,7 +468,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pretrain-steps", type=int, default=800, help="stage a: steps of the stand-in base")
     parser.add_argument("--num-train-samples", type=int, default=1000, help="rows per training length")
     parser.add_argument("--num-eval-samples", type=int, default=200, help="rows per evaluation length")
-    parser.add_argument("--epochs", type=int, default=10, help="the first on one-chunk rows, the rest on all")
+    parser.add_argument("--epochs", type=int, default=14, help="the first on one-chunk rows, the rest on all")
+    parser.add_argument("--max-steps", type=int, default=-1, help="stop stage b after this many steps (-1: the epochs)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--variant", default=None, choices=["mag", "mal", "mac"], help="default: the config's")
@@ -481,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         epochs=args.epochs,
         batch_size=args.batch_size,
         learning_rate=args.learning_rate,
+        max_steps=args.max_steps,
         memory_settings={key: value for key, value in overrides.items() if value is not None},
         seed=args.seed,
         threads=args.threads,
@@ -492,8 +509,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stage a (stand-in base, {info['pretraining']['steps']} steps): {timings['stage_a_s']:.0f}s")
     accuracy = info["base_accuracy"]
     print(f"base alone, full attention, {accuracy['rows']} stories that fit one chunk: "
-          f"{100 * accuracy['exact_match']:.1f}% (last place mentioned {100 * accuracy['last_location_baseline']:.1f}%, "
-          f"chance {100 * accuracy['chance']:.1f}%)")
+          f"{100 * accuracy['exact_match']:.1f}% (last place mentioned "
+          f"{100 * accuracy['last_location_baseline']:.1f}%, chance {100 * accuracy['chance']:.1f}%)")
     params = info["trainable_parameters"]
     print(f"stage b: trainable (memory) parameters {params['memory']:,} of {params['total']:,} "
           f"({100 * params['share']:.1f}%), {info['steps']} steps in {timings['stage_b_train_s']:.0f}s, "
