@@ -6,6 +6,7 @@ titans-hf train code on the frozen base, the titans-hf eval function) with the s
 time on one thread each. Prints a table (accuracy with the memory and with it off at 4 and 8 chunks) and writes JSON.
 
     python scripts/bench_frozen.py --json bench_results/frozen.json
+    python scripts/bench_frozen.py --entity-share 0 --only "mag, layer 0, depth 1"   # a stand-in without names
     python scripts/bench_frozen.py --quick        # a smoke run: few steps, few rows
 """
 
@@ -19,9 +20,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from titans_hf.demo import build_demo_tokenizer, embedding_similarity, pretrain_base  # noqa: E402
 
 
 def configurations(num_layers: int) -> dict[str, list[str]]:
@@ -71,6 +73,9 @@ def main() -> int:
     parser.add_argument("--eval-samples", type=int, default=200)
     parser.add_argument("--workers", type=int, default=2, help="configurations run at once, one thread each")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--entity-share", type=float, default=0.5,
+                        help="stand-in pretraining: share of sentences about the story's people and places")
+    parser.add_argument("--only", nargs="+", default=None, help="run only the configurations of these names")
     parser.add_argument("--quick", action="store_true", help="smoke run: 20 pretraining steps, 10 steps, 20 rows")
     parser.add_argument("--json", default=None, help="write the table as JSON here")
     args = parser.parse_args()
@@ -81,24 +86,31 @@ def main() -> int:
     started = time.time()
     base = args.base
     if base is None:
-        from titans_hf.demo import build_demo_tokenizer, pretrain_base
-
         base = str(output / "base")
         tokenizer = build_demo_tokenizer(base, seed=args.seed)
         extra = {} if pretrain_steps is None else {"steps": pretrain_steps}
-        pretrain_base(base, tokenizer, seed=args.seed, show_progress=False, **extra)
+        pretrain_base(base, tokenizer, entity_share=args.entity_share, seed=args.seed, show_progress=False, **extra)
         print(f"stand-in base pretrained in {time.time() - started:.0f}s: {base}")
+    similarity = embedding_similarity(AutoModelForCausalLM.from_pretrained(base), AutoTokenizer.from_pretrained(base))
+    print(f"mean cosine of the base's embeddings: actors {similarity['actors']:.2f}, "
+          f"locations {similarity['locations']:.2f}")
     num_layers = AutoConfig.from_pretrained(base).num_hidden_layers
     common = ["--max-steps", str(steps), "--num-eval-samples", str(samples), "--eval-chunks", "4", "8",
               "--seed", str(args.seed), "--threads", "1"]
     rows = configurations(num_layers)
+    if args.only:
+        unknown = sorted(set(args.only) - set(rows))
+        if unknown:
+            parser.error(f"--only: unknown configurations {unknown}; known: {sorted(rows)}")
+        rows = {name: rows[name] for name in args.only}
     with ThreadPoolExecutor(max_workers=args.workers) as pool:
         futures = [pool.submit(run_configuration, name, flags, base, output, common) for name, flags in rows.items()]
         table = [future.result() for future in futures]
 
     header = f"{'configuration':<24} {'mem 4ch':>8} {'mem 8ch':>8} {'off 4ch':>8} {'off 8ch':>8} " \
              f"{'not-last 4ch':>13} {'params':>7} {'time':>6}"
-    print(f"\nQA1 exact match (%) after {steps} steps on a frozen base ({base}); chance 16.7")
+    print(f"\nQA1 exact match (%) after {steps} steps on a frozen base ({base}); chance 16.7; 'not-last 4ch': "
+          "with memory, on rows whose answer is not the last place mentioned")
     print(header)
     for row in table:
         accuracy = row["accuracy"]
@@ -108,7 +120,7 @@ def main() -> int:
               f"{not_last:>13.1f} {row['trainable_parameters']:>7} {row['seconds']:>5.0f}s")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        summary = {"base": base, "steps": steps, "seed": args.seed, "rows": table}
+        summary = {"base": base, "steps": steps, "seed": args.seed, "embedding_similarity": similarity, "rows": table}
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0

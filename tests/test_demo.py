@@ -215,3 +215,19 @@ def test_goal_report_applies_each_bar_to_its_lengths():
     assert lines[2].endswith(": met") and "goal >= 85%" in lines[2]  # 8x
     assert lines[3].endswith("NOT met")  # 0.30 without memory is 13.3 points above chance
 
+
+
+def test_embedding_similarity_measures_whether_names_share_one_vector(tmp_path):
+    from titans_hf.demo import embedding_similarity
+    from titans_hf.local_models import build_qwen
+
+    tokenizer = build_demo_tokenizer(tmp_path)
+    model = build_qwen(tmp_path, vocab_size=len(tokenizer))
+    ids = {word: tokenizer(" " + word, add_special_tokens=False)["input_ids"][0] for word in ACTORS + LOCATIONS}
+    with torch.no_grad():
+        weight = model.get_input_embeddings().weight
+        for word in ACTORS:  # one vector (at several scales) for every actor
+            weight[ids[word]] = torch.full((weight.shape[1],), 0.1 * (1 + ACTORS.index(word)))
+        for index, word in enumerate(LOCATIONS):  # orthogonal vectors for the places
+            weight[ids[word]] = torch.nn.functional.one_hot(torch.tensor(index), weight.shape[1]).float()
+    assert embedding_similarity(model, tokenizer) == {"actors": pytest.approx(1.0), "locations": 0.0}

@@ -114,19 +114,23 @@ def entity_sentence(rng: random.Random) -> str:
     return rng.choice(ENTITY_TRAITS[rng.choice(sorted(ENTITY_TRAITS))]) + "."
 
 
-def domain_documents(task: str, num_documents: int, characters: int = 400, seed: int = 0) -> list[str]:
-    """Documents of the stand-in's pretraining text: sentences about the story's people, places and objects (half),
-    distractor prose (a fifth) and the facts of one bAbI story (the rest), its questions asked and answered in
-    BABILong's prompt format as the story unfolds (after three sentences in ten, once someone has moved)."""
+def domain_documents(task: str, num_documents: int, characters: int = 400, entity_share: float = 0.5,
+                     seed: int = 0) -> list[str]:
+    """Documents of the stand-in's pretraining text: sentences about the story's people, places and objects
+    (`entity_share` of the sentences), distractor prose (a fifth) and the facts of one bAbI story (the rest), its
+    questions asked and answered in BABILong's prompt format as the story unfolds (after three sentences in ten,
+    once someone has moved)."""
+    if not 0 <= entity_share <= 0.8:
+        raise ValueError(f"domain_documents: entity_share={entity_share} must lie in [0, 0.8] (a fifth is prose)")
     rng = random.Random(f"titans_hf.demo.documents:{task}:{seed}")
     documents = []
     for _ in range(num_documents):
         world, parts = _World(), []
         while len(" ".join(parts)) < characters:
             roll = rng.random()
-            if roll < 0.5:
+            if roll < entity_share:
                 parts.append(entity_sentence(rng))
-            elif roll < 0.7:
+            elif roll < entity_share + 0.2:
                 parts.append(distractor_sentence(rng))
             else:
                 parts.append(_random_fact(task, world, rng))
@@ -161,6 +165,7 @@ def pretrain_base(
     learning_rate: float = 3e-3,
     max_tokens: int = 160,
     haystack_lengths: tuple[int, ...] = (0, 96),
+    entity_share: float = 0.5,
     seed: int = 0,
     show_progress: bool = True,
 ) -> dict[str, Any]:
@@ -173,7 +178,7 @@ def pretrain_base(
     # about one row in two a document, the rest BABILong rows with their answers (`haystack_lengths`: bare stories
     # and stories in a short haystack)
     rows_needed = steps * batch_size
-    documents = domain_documents(task, rows_needed // 2, seed=seed)
+    documents = domain_documents(task, rows_needed // 2, entity_share=entity_share, seed=seed)
     for index, length in enumerate(haystack_lengths):
         rows = generate_babilong(task, rows_needed // (2 * len(haystack_lengths)), length, tokenizer,
                                  seed=10_000 + 10 * seed + index)
@@ -205,7 +210,25 @@ def pretrain_base(
     tokenizer.save_pretrained(base_dir)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     return {"steps": trainer.state.global_step, "documents": len(documents), "final_loss": losses[-1],
-            "shape": STAND_IN_BASE}
+            "shape": STAND_IN_BASE, "entity_share": entity_share,
+            "embedding_similarity": embedding_similarity(model, tokenizer)}
+
+
+def embedding_similarity(model, tokenizer) -> dict[str, float]:
+    """Mean cosine similarity between the input embeddings of the actors, and between those of the locations.
+
+    Near 1, the model holds one vector for all of them: a memory reading these embeddings cannot tell whose fact
+    it stores. A base that learned text in which each name has contexts of its own keeps them apart.
+    """
+    embeddings = model.get_input_embeddings().weight.detach()
+
+    def mean_cosine(words: list[str]) -> float:
+        ids = [tokenizer(" " + word, add_special_tokens=False)["input_ids"][0] for word in words]
+        vectors = torch.nn.functional.normalize(embeddings[ids].float(), dim=-1)
+        cosines = vectors @ vectors.T
+        return float((cosines.sum() - cosines.diagonal().sum()) / (len(ids) * (len(ids) - 1)))
+
+    return {"actors": round(mean_cosine(ACTORS), 4), "locations": round(mean_cosine(LOCATIONS), 4)}
 
 
 def base_accuracy(base: str | Path, tokenizer, task: str, chunk_size: int, num_rows: int = 200,
@@ -288,6 +311,7 @@ def run_demo(
     train_chunks: tuple[int, ...] = (0, 3, 4),
     eval_chunks: tuple[int, ...] = (4, 8, 16, 32),
     pretrain_steps: int = 800,
+    entity_share: float = 0.5,
     num_train_samples: int = 1000,
     num_eval_samples: int = 200,
     epochs: int = 14,
@@ -326,7 +350,8 @@ def run_demo(
         # BABILong rows of the pretraining text: bare stories and the shortest haystack that stage b trains on
         haystacks = (0, min([chunks for chunks in train_chunks if chunks > 0], default=3) * chunk_size)
         run_info["pretraining"] = pretrain_base(base_dir, tokenizer, task=task, steps=pretrain_steps,
-                                                haystack_lengths=haystacks, seed=seed, show_progress=show_progress)
+                                                haystack_lengths=haystacks, entity_share=entity_share, seed=seed,
+                                                show_progress=show_progress)
         base = str(base_dir)
         timings["stage_a_s"] = time.time() - started
         logger.info("stage a: stand-in base pretrained in %.0fs (%d steps), saved to %s", timings["stage_a_s"],
@@ -466,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-chunks", type=int, nargs="+", default=[4, 8, 16, 32],
                         help="input lengths evaluated, in chunks")
     parser.add_argument("--pretrain-steps", type=int, default=800, help="stage a: steps of the stand-in base")
+    parser.add_argument("--entity-share", type=float, default=0.5,
+                        help="stage a: share of the pretraining sentences about the story's people and places")
     parser.add_argument("--num-train-samples", type=int, default=1000, help="rows per training length")
     parser.add_argument("--num-eval-samples", type=int, default=200, help="rows per evaluation length")
     parser.add_argument("--epochs", type=int, default=14, help="the first on one-chunk rows, the rest on all")
@@ -492,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         train_chunks=tuple(args.train_chunks),
         eval_chunks=tuple(args.eval_chunks),
         pretrain_steps=args.pretrain_steps,
+        entity_share=args.entity_share,
         num_train_samples=args.num_train_samples,
         num_eval_samples=args.num_eval_samples,
         epochs=args.epochs,
@@ -506,7 +534,10 @@ def main(argv: list[str] | None = None) -> int:
     timings = info["timings"]
     print()
     if "stage_a_s" in timings:
-        print(f"stage a (stand-in base, {info['pretraining']['steps']} steps): {timings['stage_a_s']:.0f}s")
+        pretraining = info["pretraining"]
+        similarity = pretraining["embedding_similarity"]
+        print(f"stage a (stand-in base, {pretraining['steps']} steps): {timings['stage_a_s']:.0f}s; mean cosine of "
+              f"its embeddings: actors {similarity['actors']:.2f}, locations {similarity['locations']:.2f}")
     accuracy = info["base_accuracy"]
     print(f"base alone, full attention, {accuracy['rows']} stories that fit one chunk: "
           f"{100 * accuracy['exact_match']:.1f}% (last place mentioned "
