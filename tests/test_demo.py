@@ -85,6 +85,7 @@ def test_stage_a_saves_a_plain_qwen_folder(demo):
     assert info["pretraining"]["steps"] == 4
     accuracy = info["base_accuracy"]
     assert accuracy["rows"] > 0 and 0 <= accuracy["exact_match"] <= 1 and accuracy["chance"] == pytest.approx(1 / 6)
+    assert accuracy["fits_one_chunk"] and accuracy["max_prompt_tokens"] <= 32
 
 
 def test_stage_b_trains_only_the_memory_of_the_saved_base(demo):
@@ -153,7 +154,12 @@ def test_demo_run_info_records_the_training(demo):
     assert info["train_lengths"] == [0, 96] and info["eval_lengths"] == [96, 128]
     # 90% of 8 rows per length, the split of the titans_babilong builder
     assert info["num_train_rows"] == 2 * 7
-    assert info["curriculum_chunks"] == [1, 5]  # one-chunk bare stories first, then inputs of 3 chunks + question
+    # one-chunk bare stories first, then every row: the longest, an input of 3 chunks + question + answer
+    tokenizer = demo["tokenizer"]
+    longest = max(len(tokenizer(f"{row['input']}\n\nQuestion: {row['question']}\nAnswer: {row['target']}")["input_ids"])
+                  for path in demo["paths"]["data"] for row in json.loads(path.read_text()))
+    assert 96 < longest <= 128
+    assert info["curriculum_chunks"] == [1, 4]
     assert set(info["timings"]) == {"stage_a_s", "stage_b_train_s", "eval_s", "total_s"}
 
 
@@ -231,3 +237,13 @@ def test_embedding_similarity_measures_whether_names_share_one_vector(tmp_path):
         for index, word in enumerate(LOCATIONS):  # orthogonal vectors for the places
             weight[ids[word]] = torch.nn.functional.one_hot(torch.tensor(index), weight.shape[1]).float()
     assert embedding_similarity(model, tokenizer) == {"actors": pytest.approx(1.0), "locations": 0.0}
+
+
+def test_demo_runs_qa3_whose_stories_never_fit_one_chunk(tmp_path):
+    demo = run_demo(output_dir=tmp_path, task="qa3", train_chunks=(0, 4), eval_chunks=(4,), pretrain_steps=2,
+                    num_train_samples=6, num_eval_samples=3, batch_size=3, max_steps=2, show_progress=False)
+    accuracy = demo["run_info"]["base_accuracy"]
+    # every bare qa3 story is longer than a chunk: the base is scored on bare stories of any length instead
+    assert not accuracy["fits_one_chunk"] and accuracy["max_prompt_tokens"] > 32
+    assert demo["run_info"]["curriculum_chunks"][0] >= 2
+    assert list(demo["results"]["accuracy"]) == ["qa3"] and demo["run_info"]["base_unchanged"] is True
