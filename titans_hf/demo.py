@@ -71,11 +71,11 @@ RUN_INFO_NAME = "run.json"
 
 # The stand-in base: big enough to learn the domain's language, small enough for minutes of CPU.
 STAND_IN_BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-# Memory settings of the recipe (the rest are TitansQwenConfig defaults); see docs/frozen_base.md.
+# Memory settings of the recipe; variant, layer and depth are TitansQwenConfig's defaults (mag on the middle layer,
+# depth 1), chosen with scripts/bench_frozen.py. See docs/frozen_base.md.
 MEMORY_SETTINGS = dict(
     memory_num_heads=4,
     memory_head_dim=16,
-    memory_depth=1,
     conv_kernel=6,  # spans "Mary went back to the kitchen" and "Mary? \nAnswer:"
     memory_chunk_size=8,
     max_lr=1.0,
@@ -511,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--variant", default=None, choices=["mag", "mal", "mac"], help="default: the config's")
     parser.add_argument("--memory-layers", type=int, nargs="+", default=None, help="default: the config's")
-    parser.add_argument("--memory-depth", type=int, default=None, help="default: 1")
+    parser.add_argument("--memory-depth", type=int, default=None, help="default: the config's")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1 measured fastest for this small model; more only adds overhead)")
