@@ -389,8 +389,8 @@ def run_demo(
     model_args = ModelArguments(model_name_or_path=base, chunk_size=chunk_size, **settings)
     data_args = DataArguments(data_files=[str(path) for path in data_files], max_length=(max(stages) + 1) * chunk_size,
                               answer_reserve_tokens=16, generation_seed=seed)
-    steps_per_epoch = math.ceil(0.9 * num_train_samples * len(train_lengths) / batch_size)
-    planned_steps = max_steps if max_steps > 0 else epochs * steps_per_epoch
+    # the builder keeps `train_ratio` of the rows for training; the exact count is known once it has split them
+    planned_steps = max_steps if max_steps > 0 else epochs * math.ceil(data_args.train_ratio * len(chunks) / batch_size)
     training_args = BabilongTrainingArguments(
         output_dir=str(memory_dir),
         per_device_train_batch_size=batch_size,
@@ -421,6 +421,7 @@ def run_demo(
     if base_files:
         run_info["base_unchanged"] = (base_weights_unchanged(trained, base)
                                       and {f.name: file_sha256(f) for f in base_files} == hashes_before)
+    steps_per_epoch = math.ceil(len(trainer.train_dataset) / batch_size)
     plot_loss_curve(trainer.state.log_history, output / LOSS_PLOT_NAME, steps_per_epoch, stages)
 
     # evaluate what was saved: the folder a user pushes is the one measured
