@@ -1,5 +1,6 @@
 """NeuralMemory against a literal per-token restatement of its definition (module docstring), plus the stream
-properties the model relies on: pieces == one pass, causality, test-time learning, long-stream stability."""
+properties the model relies on: pieces == one pass, causality, test-time learning, long-stream stability; and the
+memory-model seam: models defined here with only a forward, registered by name, against the same reference."""
 
 import dataclasses
 import math
@@ -9,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from titans_hf.modeling.memory import MemoryState, NeuralMemory
+from titans_hf.modeling import memory
+from titans_hf.modeling.memory import MemoryModel, MemoryState, MLPMemory, NeuralMemory
 
 
 def randomise(mem: NeuralMemory, seed: int) -> NeuralMemory:
@@ -21,8 +23,18 @@ def randomise(mem: NeuralMemory, seed: int) -> NeuralMemory:
     return mem
 
 
-def reference(mem: NeuralMemory, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Plain loops over rows, heads, chunks and tokens; autograd (create_graph) for each token's inner gradient."""
+def mlp_memory(weights, z):
+    """The default memory model: a_0 = z, a_l = silu(a_{l-1} W_l), M_W(z) = z + a_{L-1} W_L."""
+    a = z
+    for w in weights[:-1]:
+        a = F.silu(a @ w)
+    return z + a @ weights[-1]
+
+
+def reference(mem: NeuralMemory, hidden: torch.Tensor, mask: torch.Tensor | None = None,
+              memory_fn=mlp_memory) -> torch.Tensor:
+    """Plain loops over rows, heads, chunks and tokens; autograd (create_graph) for each token's inner gradient of
+    the memory model `memory_fn(weights, z)`."""
     B, T, _ = hidden.shape
     H, d, C, K = mem.num_heads, mem.head_dim, mem.chunk_size, mem.conv_kernel
     chunks_per_batch = mem.batch_size // C
@@ -38,12 +50,6 @@ def reference(mem: NeuralMemory, hidden: torch.Tensor, mask: torch.Tensor | None
     logits = x @ mem.to_gates.weight.T + mem.to_gates.bias
     theta = mem.max_lr * torch.sigmoid(logits[..., :H]) * real[..., None]
 
-    def memory_mlp(weights, z):
-        a = z
-        for w in weights[:-1]:
-            a = F.silu(a @ w)
-        return z + a @ weights[-1]
-
     reads = [[[None] * H for _ in range(T)] for _ in range(B)]
     for b in range(B):
         for h in range(H):
@@ -53,12 +59,12 @@ def reference(mem: NeuralMemory, hidden: torch.Tensor, mask: torch.Tensor | None
             for j in range(math.ceil(T / C)):
                 tokens = range(j * C, min(j * C + C, T))
                 for t in tokens:
-                    reads[b][t][h] = memory_mlp(weights, q[b, t, h])
+                    reads[b][t][h] = memory_fn(weights, q[b, t, h])
                 if len(tokens) < C:
                     break
                 surprise = [torch.zeros_like(w) for w in weights]
                 for t in tokens:
-                    loss = theta[b, t, h] * (memory_mlp(grad_point, k[b, t, h]) - v[b, t, h]).pow(2).sum()
+                    loss = theta[b, t, h] * (memory_fn(grad_point, k[b, t, h]) - v[b, t, h]).pow(2).sum()
                     grads = torch.autograd.grad(loss, grad_point, create_graph=True)
                     surprise = [s + g for s, g in zip(surprise, grads)]
                 count = real[b, tokens].sum()
@@ -123,7 +129,7 @@ def test_streamed_pieces_match_reference_including_gradients(depth):
 def memory_read_without_updates(mem, hidden):
     """Reads from the initial weights only: the reference must differ from this, or the test checks nothing."""
     frozen = NeuralMemory(12, 2, 4, depth=mem.depth, expansion=2, conv_kernel=mem.conv_kernel, chunk_size=10**6,
-                          max_surprise_norm=mem.max_surprise_norm).double()
+                          max_surprise_norm=mem.max_surprise_norm, memory_model=mem.memory_model).double()
     frozen.load_state_dict(mem.state_dict())
     return frozen(hidden)[0]
 
@@ -363,3 +369,140 @@ def test_window_conv_init_averages_query_and_key_taps_and_keeps_values_identity(
     assert torch.equal(identity, identity_taps.repeat(3, 1))
     with pytest.raises(ValueError, match="conv_init"):
         NeuralMemory(8, heads, dim, conv_init="mean")
+
+
+# ---- the memory-model seam: models with only a forward, registered by name ----
+
+
+def linear_memory(weights, z):
+    return z @ weights[0]
+
+
+class LinearMemory(MemoryModel):
+    """M_W(z) = z W: one weight, no residual, only a forward (inner gradients by autograd)."""
+
+    def __init__(self, head_dim, depth, expansion):
+        self.shapes = [(head_dim, head_dim)]
+
+    def __call__(self, weights, z):
+        return linear_memory(weights, z)
+
+
+class AutogradMLP(MemoryModel):
+    """The default MLP with only its forward: the generic path on a deep, nonlinear model."""
+
+    def __init__(self, head_dim, depth, expansion):
+        self.shapes = MLPMemory(head_dim, depth, expansion).shapes
+
+    def __call__(self, weights, z):
+        return mlp_memory(weights, z)
+
+
+@pytest.fixture
+def forward_only_models(monkeypatch):
+    monkeypatch.setitem(memory.MEMORY_MODELS, "linear", LinearMemory)
+    monkeypatch.setitem(memory.MEMORY_MODELS, "mlp-autograd", AutogradMLP)
+
+
+@pytest.mark.parametrize(
+    "name,memory_fn,depth,chunk,batch,clip",
+    [("linear", linear_memory, 1, 4, 4, None), ("linear", linear_memory, 1, 3, 9, 0.05),
+     ("mlp-autograd", mlp_memory, 2, 4, 4, 0.05), ("mlp-autograd", mlp_memory, 2, 4, 8, None)],
+)
+def test_forward_only_memory_model_matches_reference(forward_only_models, name, memory_fn, depth, chunk, batch,
+                                                     clip):
+    torch.manual_seed(0)
+    mem = randomise(NeuralMemory(12, 2, 4, depth=depth, expansion=2, conv_kernel=3, chunk_size=chunk,
+                                 batch_size=batch, max_lr=0.5 if clip else 0.05, max_surprise_norm=clip,
+                                 theta_bias_init=0.0, memory_model=name).double(), 1)
+    assert type(mem.model) is memory.MEMORY_MODELS[name]
+    hidden = torch.randn(2, 22, 12, dtype=torch.double)
+    probe = torch.randn(2, 22, 8, dtype=torch.double)
+    reads, _ = mem(hidden)
+    expected = reference(mem, hidden, memory_fn=memory_fn)
+    assert expected.abs().max() < 100
+    torch.testing.assert_close(reads, expected, rtol=0, atol=1e-10)
+    for got, want in zip(param_grads(mem, reads, probe), param_grads(mem, expected, probe)):
+        torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9)
+    assert not torch.allclose(expected[:, -1], memory_read_without_updates(mem, hidden)[:, -1])
+
+
+def test_linear_memory_streamed_with_padding_matches_reference_and_runs_without_grad(forward_only_models):
+    torch.manual_seed(0)
+    mem = randomise(NeuralMemory(12, 2, 4, conv_kernel=3, chunk_size=4, batch_size=8, max_lr=0.5,
+                                 max_surprise_norm=0.05, theta_bias_init=0.0, memory_model="linear").double(), 2)
+    hidden = torch.randn(2, 26, 12, dtype=torch.double)
+    mask = torch.ones(2, 26)
+    mask[0, 17:] = 0
+    mask[1, :5] = 0
+    probe = torch.randn(2, 26, 8, dtype=torch.double)
+
+    def streamed():
+        state, pieces, start = None, [], 0
+        for size in (3, 6, 1, 9, 7):
+            out, state = mem(hidden[:, start:start + size], state, mask[:, start:start + size])
+            pieces.append(out)
+            start += size
+        return torch.cat(pieces, 1), state
+
+    reads, state = streamed()
+    expected = reference(mem, hidden, mask, memory_fn=linear_memory)
+    torch.testing.assert_close(reads, expected, rtol=0, atol=1e-10)
+    for got, want in zip(param_grads(mem, reads, probe), param_grads(mem, expected, probe)):
+        torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9)
+    with torch.no_grad():
+        reads_no_grad, state_no_grad = streamed()
+    assert reads_no_grad.grad_fn is None and state_no_grad.weights[0].grad_fn is None
+    torch.testing.assert_close(reads_no_grad, reads, rtol=0, atol=0)
+    torch.testing.assert_close(state_no_grad.weights[0], state.weights[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("batch", [16, 48])
+def test_explicit_mlp_equals_its_autograd_twin(forward_only_models, batch):
+    """The written-out inner gradients (fused chunk step, memory-batch node) against autograd on the same MLP, at a
+    size the per-token reference is too slow for: reads, state and outer gradients, with padding and pieces."""
+    torch.manual_seed(0)
+    config = dict(depth=3, expansion=2, chunk_size=16, batch_size=batch, conv_kernel=4, max_lr=0.5,
+                  max_surprise_norm=0.5, theta_bias_init=0.0)
+    explicit = randomise(NeuralMemory(24, 3, 8, **config).double(), 3)
+    generic = NeuralMemory(24, 3, 8, memory_model="mlp-autograd", **config).double()
+    generic.load_state_dict(explicit.state_dict())
+    hidden = torch.randn(2, 150, 24, dtype=torch.double)
+    mask = (torch.rand(2, 150) > 0.2).double()
+    mask[1, 32:64] = 0  # two chunks without a real token
+    probe = torch.randn(2, 150, 24, dtype=torch.double)
+
+    def streamed(mem):
+        state, pieces, start = None, [], 0
+        for size in (40, 1, 61, 48):
+            out, state = mem(hidden[:, start:start + size], state, mask[:, start:start + size])
+            pieces.append(out)
+            start += size
+        return torch.cat(pieces, 1), state
+
+    results = []
+    for mem in (explicit, generic):
+        reads, state = streamed(mem)
+        loss = (reads * probe).sum() + sum((w * w).sum() for w in state.weights + state.momentum)
+        results.append((reads, state.state_dict(), torch.autograd.grad(loss, list(mem.parameters()))))
+        with torch.no_grad():  # no graph: the explicit arithmetic is the same; autograd's rounds differently
+            torch.testing.assert_close(streamed(mem)[0], reads, rtol=0, atol=0 if mem is explicit else 1e-12)
+    (reads, state, grads), (want_reads, want_state, want_grads) = results
+    assert reads.abs().max() < 100
+    torch.testing.assert_close(reads, want_reads, rtol=0, atol=1e-10)
+    for key, value in want_state.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-9, atol=1e-10, msg=key)
+    for got, want in zip(grads, want_grads):
+        torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9)
+
+
+def test_memory_model_is_chosen_by_name_and_leaves_state_dict_keys_alone(forward_only_models):
+    with pytest.raises(ValueError, match=r"memory_model must be one of \[.*'mlp'.*\], got 'gated'"):
+        NeuralMemory(16, 2, 8, memory_model="gated")
+    mem = NeuralMemory(16, 2, 8, depth=2)
+    assert type(mem.model) is MLPMemory and mem.memory_model == "mlp"
+    assert set(mem.state_dict()) == {"norm.weight", "to_qkv.weight", "conv_weight", "to_gates.weight",
+                                     "to_gates.bias", "initial_weights.0", "initial_weights.1"}
+    linear = NeuralMemory(16, 2, 8, depth=2, memory_model="linear")
+    assert [tuple(w.shape) for w in linear.initial_weights] == [(2, 8, 8)]
+    assert set(linear.state_dict()) == set(mem.state_dict()) - {"initial_weights.1"}

@@ -7,7 +7,8 @@ Exact definitions (the tests' reference loop restates them; `H` heads of size `d
   ``y_t[c] = sum_{i<K} w[c, i] * u_{t-K+1+i}[c]`` with ``u`` zero before the first token (and zero on padding tokens),
   ``K = conv_kernel``. Then ``q = l2norm(silu(q))``, ``k = l2norm(silu(k))`` per head, ``v`` as is, where
   ``l2norm(z) = z / max(||z||_2, 1e-12)`` (``F.normalize``).
-* Memory ``M_W`` per head, depth ``L`` (hidden width ``expansion * d``): ``a_0 = z``, ``a_l = silu(a_{l-1} W_l)`` for
+* Memory ``M_W`` per head, one of :data:`MEMORY_MODELS` (``memory_model``). The default ``"mlp"``
+  (:class:`MLPMemory`), depth ``L``, hidden width ``expansion * d``: ``a_0 = z``, ``a_l = silu(a_{l-1} W_l)`` for
   ``l < L``, ``M_W(z) = z + a_{L-1} W_L`` (depth 1: ``M_W(z) = z + z W_1``). The fast weights start from the learned
   parameters ``initial_weights[l]`` of shape ``[H, d_in, d_out]``.
 * Gates from ``x_t W_g + b_g`` (``3H`` logits): ``theta_t = max_lr * sigmoid(logit_theta) * mask_t`` per token,
@@ -26,15 +27,18 @@ Exact definitions (the tests' reference loop restates them; `H` heads of size `d
   since a chunk's summed gradient multiplies the step by the chunk length; the surprise clip then bounds every
   update, so ``||W_j|| <= ||W_{-1}|| + c / ((1 - max eta) min alpha)`` per head.
 
-The inner gradients are written out as batched matmuls (explicit backprop through the MLP) rather than
-``torch.func``, so one ordinary autograd graph carries the outer loss through every update, and all heads and all
-chunks of a memory batch run as single matmuls. State is fp32 (fp64 when the module is fp64) whatever the
-activation dtype, and everything needed to continue mid-chunk lives in :class:`MemoryState`, so feeding the tokens
-in any pieces gives the same reads and state as one pass.
+A memory model is a :class:`MemoryModel`: weight shapes, init and ``M_W(z)``; its inner gradients then come from
+autograd. An :class:`ExplicitMemoryModel` (the MLP) writes the inner gradient and its reverse out as batched
+matmuls, so each update chunk runs as one autograd node (:class:`_ChunkStep`) and the surprise of a memory batch as
+another (:class:`_Surprise`); all heads, and all chunks of a memory batch, run as single matmuls either way. State
+is fp32 (fp64 when the module is fp64) whatever the activation dtype, and everything needed to continue mid-chunk
+lives in :class:`MemoryState`, so feeding the tokens in any pieces gives the same reads and state as one pass.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -123,9 +127,177 @@ class MemoryState:
 CONV_INITS = ("identity", "window")
 
 
+# ---- memory models ----
+# Fast weights are lists of [rows, d_in, d_out] tensors, rows = batch * heads, so every product is one bmm; where a
+# memory batch reads with several chunks' weights at once they carry a chunk axis after rows ([rows, n, d_in, d_out]
+# with inputs [rows, n, tokens, d]).
+
+
+class MemoryModel(ABC):
+    """The function ``M_W`` each head's memory learns, of fast weights ``W``.
+
+    A subclass sets :attr:`shapes` in ``__init__(head_dim, depth, expansion)`` (it may ignore depth and expansion)
+    and defines ``__call__``; :meth:`surprise` then takes the inner gradients by autograd, and every update chunk runs
+    the memory-batch path of :meth:`NeuralMemory.forward`. Add it to :data:`MEMORY_MODELS` to select it by name.
+    """
+
+    shapes: list[tuple[int, int]]  # (d_in, d_out) of each fast weight, in order
+
+    @abstractmethod
+    def __call__(self, weights: Sequence[Tensor], z: Tensor) -> Tensor:
+        """``M_W(z)`` for ``z`` [..., tokens, d] and weights [..., d_in, d_out] with the same leading axes."""
+
+    def init_weights(self, weights: Sequence[Tensor]) -> None:
+        """Initialise the learned initial weights ([heads, d_in, d_out] each) in place: normal, std d_in ** -0.5."""
+        for weight in weights:
+            nn.init.normal_(weight, std=weight.shape[1] ** -0.5)
+
+    def surprise(self, point: Sequence[Tensor], keys: Tensor, values: Tensor, lr2: Tensor) -> list[Tensor]:
+        """Per chunk ``G_j = grad_W sum_t theta_t ||M_W(k_t) - v_t||^2`` at the weights `point` [rows, d_in, d_out]
+        shared by the n chunks of `keys`, `values` [rows, n, C, d] with ``lr2 = 2 theta`` [rows, n, C]. Returns one
+        [rows, n, d_in, d_out] tensor per weight, differentiable (``create_graph``) when grad mode is on. Here by
+        autograd, which inference mode forbids."""
+        n, outer = keys.shape[1], torch.is_grad_enabled()
+        with torch.enable_grad():
+            point = [w.unsqueeze(1).expand(-1, n, -1, -1) for w in point]  # one gradient per chunk
+            point = [w if w.requires_grad else w.detach().requires_grad_() for w in point]
+            loss = (lr2.unsqueeze(-1) * (self(point, keys) - values).square()).sum() / 2
+            return list(torch.autograd.grad(loss, point, create_graph=outer))
+
+
+class ExplicitMemoryModel(MemoryModel):
+    """A memory model whose inner gradient and its reverse are written out (no autograd inside): an update chunk whose
+    reads and surprise share the current weights then runs as one autograd node (:class:`_ChunkStep`), and the
+    surprise of a memory batch as another (:class:`_Surprise`).
+
+    Both methods see rows ``z`` [rows, r + n * C, d] through weights [rows, d_in, d_out] shared by all of them: the
+    first ``r`` rows are only read, the last ``n * C`` are the keys of ``n`` chunks of ``C`` tokens (the fused step:
+    ``r = C`` queries and one chunk; a memory batch: ``r = 0`` and its n chunks).
+    """
+
+    @abstractmethod
+    def inner_gradient(self, weights: Sequence[Tensor], z: Tensor, values: Tensor, lr2: Tensor, chunk: int
+                       ) -> tuple[Tensor, Tensor, list[Tensor]]:
+        """``(M_W(z), M_W(k) - v, G)`` for `values` [rows, n * C, d] and ``lr2 = 2 theta`` [rows, n * C]; ``G`` has
+        one [rows * n, d_in, d_out] tensor per weight, ``G_j = grad_W sum_{t in j} theta_t ||M_W(k_t) - v_t||^2``."""
+
+    @abstractmethod
+    def inner_gradient_backward(self, weights: Sequence[Tensor], z: Tensor, err: Tensor, lr2: Tensor, chunk: int,
+                                g_reads: Tensor | None, g_grads: Sequence[Tensor], g_weights: Sequence[Tensor]
+                                ) -> tuple[Tensor, Tensor, Tensor]:
+        """Reverse of :meth:`inner_gradient` given the gradients of the first r rows' reads (`g_reads`, None: zero)
+        and of ``G`` (`g_grads`): adds the weights' gradients into `g_weights` in place and returns those of ``z``,
+        the values and ``lr2``."""
+
+    def surprise(self, point: Sequence[Tensor], keys: Tensor, values: Tensor, lr2: Tensor) -> list[Tensor]:
+        n, C = keys.shape[1:3]
+        grads = _Surprise.apply(self, C, *point, keys.flatten(1, 2), values.flatten(1, 2), lr2.flatten(1, 2))
+        return [g.unflatten(0, (-1, n)) for g in grads]
+
+
+class MLPMemory(ExplicitMemoryModel):
+    """``M_W(z) = z + a_{L-1} W_L`` with ``a_0 = z``, ``a_l = silu(a_{l-1} W_l)``: depth ``L``, hidden width
+    ``expansion * head_dim``, and its inner backprop written out."""
+
+    def __init__(self, head_dim: int, depth: int, expansion: int):
+        dims = [head_dim] + [head_dim * expansion] * (depth - 1) + [head_dim]
+        self.shapes = list(zip(dims[:-1], dims[1:]))
+
+    def __call__(self, weights: Sequence[Tensor], z: Tensor) -> Tensor:
+        return _residual_matmul(z, self._hidden(weights, z)[0][-1], weights[-1])
+
+    @staticmethod
+    def _hidden(weights: Sequence[Tensor], z: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+        """The layer inputs ``a_0 .. a_{L-1}`` and the hidden layers' ``sigmoid(a_{l-1} W_l)``."""
+        acts, sigmoids = [z], []
+        for w in weights[:-1]:
+            pre = acts[-1] @ w
+            sigmoids.append(torch.sigmoid(pre))
+            acts.append(pre * sigmoids[-1] if torch.is_grad_enabled() else pre.mul_(sigmoids[-1]))
+        return acts, sigmoids
+
+    @staticmethod
+    def _slopes(acts: Sequence[Tensor], sigmoids: Sequence[Tensor]) -> list[Tensor]:
+        """``silu'`` of each hidden layer's pre-activation: ``s + a (1 - s)``."""
+        return [torch.addcmul(s, a, 1 - s) for s, a in zip(sigmoids, acts[1:])]
+
+    @staticmethod
+    def _backprop(weights: Sequence[Tensor], slopes: Sequence[Tensor], top: Tensor
+                  ) -> tuple[list[Tensor], list[Tensor]]:
+        """The inner backprop from the output gradient `top`: ``delta_{L-1} = top``, ``u_l = delta_{l+1} W_{l+1}^T``,
+        ``delta_l = u_l silu'_l``. Returns the deltas (one per weight) and the u's (one per hidden layer)."""
+        deltas, ups = [top], []
+        for w, slope in zip(weights[:0:-1], slopes[::-1]):
+            ups.append(deltas[-1] @ w.transpose(-1, -2))
+            deltas.append(ups[-1] * slope)
+        return deltas[::-1], ups[::-1]
+
+    def inner_gradient(self, weights: Sequence[Tensor], z: Tensor, values: Tensor, lr2: Tensor, chunk: int
+                       ) -> tuple[Tensor, Tensor, list[Tensor]]:
+        acts, sigmoids = self._hidden(weights, z)
+        out = _residual_matmul(z, acts[-1], weights[-1])
+        keys = slice(z.shape[1] - values.shape[1], None)
+        err = out[:, keys].sub_(values)
+        acts = [a[:, keys] for a in acts]
+        deltas, _ = self._backprop(weights, self._slopes(acts, [s[:, keys] for s in sigmoids]), err * lr2.unsqueeze(-1))
+        return out, err, [_chunks(a, chunk).transpose(1, 2) @ _chunks(delta, chunk) for a, delta in zip(acts, deltas)]
+
+    def inner_gradient_backward(self, weights: Sequence[Tensor], z: Tensor, err: Tensor, lr2: Tensor, chunk: int,
+                                g_reads: Tensor | None, g_grads: Sequence[Tensor], g_weights: Sequence[Tensor]
+                                ) -> tuple[Tensor, Tensor, Tensor]:
+        W, gG, gW, L = weights, g_grads, g_weights, len(weights)
+        keys = slice(z.shape[1] - err.shape[1], None)
+        key = lambda t: t[:, keys]  # noqa: E731
+        chunks = lambda t: _chunks(t, chunk)  # noqa: E731
+        tokens = lambda t: t.view(z.shape[0], -1, t.shape[-1])  # noqa: E731
+        # recompute the activations of all rows; silu' = s + a (1 - s), silu'' = s + silu' (1 - 2 s)
+        acts, sigmoids = self._hidden(W, z)
+        slopes = self._slopes(acts, sigmoids)
+        delta, u = self._backprop(W, [key(slope) for slope in slopes], err * lr2.unsqueeze(-1))
+
+        # reverse of the inner backprop on the key rows; layer i: input acts[i], output gradient delta[i], and
+        # G_i = acts[i]^T delta[i] per chunk
+        g_acts_extra, g_pre_extra, g_delta = [None] * L, [None] * (L - 1), [None] * L
+        for i in range(L):
+            g_acts_extra[i] = tokens(chunks(delta[i]) @ gG[i].transpose(1, 2))
+            if g_delta[i] is None:
+                g_delta[i] = tokens(chunks(key(acts[i])) @ gG[i])
+            else:
+                chunks(g_delta[i]).baddbmm_(chunks(key(acts[i])), gG[i])
+            if i < L - 1:
+                s, slope = key(sigmoids[i]), key(slopes[i])
+                g_pre_extra[i] = torch.addcmul(s, slope, s * -2 + 1).mul_(u[i]).mul_(g_delta[i])
+                g_u = g_delta[i].mul_(slope)
+                g_delta[i + 1] = g_u @ W[i + 1]
+                gW[i + 1].baddbmm_(g_u.transpose(1, 2), delta[i + 1])
+        g_lr2 = (g_delta[L - 1] * err).sum(-1)
+        g_err = g_delta[L - 1].mul_(lr2.unsqueeze(-1))
+
+        # one MLP backward for all rows: upstream [g_reads; g_err], key rows carrying the extra terms
+        if keys.start == 0:
+            g_top = g_err
+        else:
+            g_top = torch.cat([err.new_zeros(z.shape[0], keys.start, z.shape[2]) if g_reads is None else g_reads,
+                               g_err], 1)
+        gW[L - 1].baddbmm_(acts[L - 1].transpose(1, 2), g_top)
+        g_a = g_top @ W[L - 1].transpose(1, 2)
+        key(g_a).add_(g_acts_extra[L - 1])
+        for i in range(L - 2, -1, -1):
+            g_pre = g_a.mul_(slopes[i])
+            key(g_pre).add_(g_pre_extra[i])
+            gW[i].baddbmm_(acts[i].transpose(1, 2), g_pre)
+            g_a = g_pre @ W[i].transpose(1, 2)
+            key(g_a).add_(g_acts_extra[i])
+        return g_a.add_(g_top), -g_err, g_lr2  # the residual: M_W(z) = z + ...
+
+
+MEMORY_MODELS: dict[str, type[MemoryModel]] = {"mlp": MLPMemory}
+
+
 class NeuralMemory(nn.Module):
     """Multi-head Titans memory: ``forward(hidden, state) -> (reads, new_state)``; no output projection (the model
-    owns it). See the module docstring for the exact math."""
+    owns it). `memory_model` names the function each head learns, a key of :data:`MEMORY_MODELS`. See the module
+    docstring for the exact math."""
 
     def __init__(
         self,
@@ -144,6 +316,7 @@ class NeuralMemory(nn.Module):
         momentum_bias_init: float = 0.0,
         forget_bias_init: float = -4.0,
         norm_eps: float = 1e-6,
+        memory_model: str = "mlp",
     ):
         super().__init__()
         for name, value in dict(hidden_size=hidden_size, num_heads=num_heads, head_dim=head_dim, depth=depth,
@@ -152,6 +325,8 @@ class NeuralMemory(nn.Module):
                 raise ValueError(f"NeuralMemory: {name} must be a positive integer, got {value!r}")
         if conv_init not in CONV_INITS:
             raise ValueError(f"NeuralMemory: conv_init must be one of {CONV_INITS}, got {conv_init!r}")
+        if memory_model not in MEMORY_MODELS:
+            raise ValueError(f"NeuralMemory: memory_model must be one of {sorted(MEMORY_MODELS)}, got {memory_model!r}")
         batch_size = chunk_size if batch_size is None else batch_size
         if batch_size < chunk_size or batch_size % chunk_size:
             raise ValueError(f"NeuralMemory: batch_size ({batch_size}) must be a multiple of chunk_size ({chunk_size})")
@@ -161,7 +336,8 @@ class NeuralMemory(nn.Module):
             raise ValueError(f"NeuralMemory: max_surprise_norm must be > 0 or None, got {max_surprise_norm}")
         self.hidden_size, self.num_heads, self.head_dim, self.depth = hidden_size, num_heads, head_dim, depth
         self.conv_kernel, self.chunk_size, self.batch_size = conv_kernel, chunk_size, batch_size
-        self.conv_init = conv_init
+        self.conv_init, self.memory_model = conv_init, memory_model
+        self.model = MEMORY_MODELS[memory_model](head_dim, depth, expansion)
         self.chunks_per_batch = batch_size // chunk_size
         self.max_lr, self.max_surprise_norm = max_lr, max_surprise_norm
         self.bias_init = (theta_bias_init, momentum_bias_init, forget_bias_init)
@@ -171,9 +347,8 @@ class NeuralMemory(nn.Module):
         self.to_qkv = nn.Linear(hidden_size, 3 * inner, bias=False)
         self.conv_weight = nn.Parameter(torch.empty(3 * inner, conv_kernel))
         self.to_gates = nn.Linear(hidden_size, 3 * num_heads)
-        dims = [head_dim] + [head_dim * expansion] * (depth - 1) + [head_dim]
         self.initial_weights = nn.ParameterList(
-            nn.Parameter(torch.empty(num_heads, d_in, d_out)) for d_in, d_out in zip(dims[:-1], dims[1:])
+            nn.Parameter(torch.empty(num_heads, d_in, d_out)) for d_in, d_out in self.model.shapes
         )
         self.reset_parameters()
 
@@ -184,8 +359,7 @@ class NeuralMemory(nn.Module):
         self.to_qkv.reset_parameters()
         with torch.no_grad():
             # identity: q, k, v start as the plain projections, the other taps are learned. window: q and k start
-            # as the mean over the kernel, so a key holds a fact's actor and place together from the first step
-            # (with the identity start a key sees one token and all the memory can learn at first is recency).
+            # as the mean over the kernel, so a key holds a few neighbouring tokens together from the first step.
             self.conv_weight.zero_()
             self.conv_weight[:, -1] = 1.0
             if self.conv_init == "window":
@@ -194,8 +368,7 @@ class NeuralMemory(nn.Module):
             bias = self.to_gates.bias.view(3, self.num_heads)
             for row, value in zip(bias, self.bias_init):
                 row.fill_(value)
-            for weight in self.initial_weights:
-                nn.init.normal_(weight, std=weight.shape[1] ** -0.5)
+            self.model.init_weights(self.initial_weights)
 
     @property
     def state_dtype(self) -> torch.dtype:
@@ -233,42 +406,18 @@ class NeuralMemory(nn.Module):
         q = F.linear(x, self.to_qkv.weight[:inner]).to(self.state_dtype)
         q = q * self.conv_weight[:inner, -1].to(self.state_dtype)
         q = F.normalize(F.silu(q.view(q.shape[0], -1, H, d).transpose(1, 2)), dim=-1).expand(rows, -1, -1, -1)
-        read = self._mlp(state.weights, q)
+        read = self.model(state.weights, q)
         return read.transpose(1, 2).reshape(rows, -1, inner).to(hidden.dtype)
 
-    # ---- the MLP, its explicit backward, and the update rule ----
-    # Internal layout: rows = batch * heads, so every product is one bmm (or a 4-D matmul over the chunks of a
-    # memory batch); chunks are cut with `split` (one backward node) instead of slicing (one zero-filled gradient
-    # per slice, which dominated the backward).
+    # ---- the update rule ----
 
-    @staticmethod
-    def _mlp(weights: list[Tensor], z: Tensor) -> Tensor:
-        a = z
-        for w in weights[:-1]:
-            a = F.silu(a @ w)
-        return _residual_matmul(z, a, weights[-1])
-
-    def _surprise(self, point: list[Tensor], keys: Tensor, keys_minus_values: Tensor, lr2: Tensor
-                  ) -> tuple[list[Tensor], Tensor | None]:
-        """G = grad_W sum_t theta_t ||M_W(k_t) - v_t||^2 at `point`, backprop written out (the token axis -2 is
-        summed by the matmuls), plus the per-row clip factor c / max(||G||, c)."""
-        inputs, pres, a = [], [], keys
-        for w in point[:-1]:
-            inputs.append(a)
-            pres.append(a @ w)
-            a = F.silu(pres[-1])
-        inputs.append(a)
-        delta = _residual_matmul(keys_minus_values, a, point[-1]) * lr2.unsqueeze(-1)  # 2 theta (M(k) - v)
-        grads = [inputs[-1].transpose(-1, -2) @ delta]
-        for layer in range(len(point) - 2, -1, -1):
-            delta = _SiluDerivative.apply(delta @ point[layer + 1].transpose(-1, -2), pres[layer])
-            grads.append(inputs[layer].transpose(-1, -2) @ delta)
-        grads = grads[::-1]
+    def _clip_scale(self, grads: Sequence[Tensor]) -> Tensor | None:
+        """The clip factor c / max(||G||, c) per row and chunk ([rows, n, 1, 1]; None without a clip)."""
         if self.max_surprise_norm is None:
-            return grads, None
+            return None
         # vector_norm's backward is safe at 0 (a fully padded chunk), sqrt(sum of squares) would give NaN
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dim=(-2, -1)) for g in grads]), dim=0)
-        return grads, (self.max_surprise_norm / norm.clamp(min=self.max_surprise_norm))[..., None, None]
+        return (self.max_surprise_norm / norm.clamp(min=self.max_surprise_norm))[..., None, None]
 
     @staticmethod
     def _step(weights, momentum, grads, scale, eta, keep, valid):
@@ -340,9 +489,11 @@ class NeuralMemory(nn.Module):
             groups.append(min(n_full - i, m - (first_chunk + i) % m))
             i += groups[-1]
         sizes = [n * C for n in groups] + ([N - n_full * C] if N > n_full * C else [])
+        # cut with `split`: one backward node, where slicing zero-fills one full-size gradient per slice
         rows = lambda t: t.reshape(BH, *t.shape[2:]).split(sizes, dim=1)  # noqa: E731
         q_parts = rows(F.pad(q, (0, 0, r, 0)))  # r placeholder queries: those tokens were read last call
-        k_parts, kmv_parts, lr2_parts = rows(k), rows(k - v), rows(2 * lr)
+        k_parts, v_parts, lr2_parts = rows(k), rows(v), rows(2 * lr)
+        fused, L = isinstance(self.model, ExplicitMemoryModel), len(self.initial_weights)
 
         # the memory's own arithmetic stays in the state dtype even under autocast (bf16 inner gradients and
         # updates lose the small steps that accumulate into what it remembers)
@@ -352,19 +503,17 @@ class NeuralMemory(nn.Module):
             grad_point = weights if state.batch_start_weights is state.weights else flat(state.batch_start_weights)
             reads, chunk = [], 0
             for g, n in enumerate(groups):
-                if n == 1 and grad_point is weights:  # the paper's rule: reads and surprise share W_{j-1}
-                    L = self.depth
-                    out = _ChunkStep.apply(L, self.max_surprise_norm, *weights, *momentum,
-                                           torch.cat([q_parts[g], k_parts[g]], 1),
-                                           torch.cat([q_parts[g], kmv_parts[g]], 1), lr2_parts[g], etas[chunk],
-                                           keeps[chunk])
+                if fused and n == 1 and grad_point is weights:  # the paper's rule: reads and surprise share W_{j-1}
+                    out = _ChunkStep.apply(self.model, self.max_surprise_norm, *weights, *momentum,
+                                           torch.cat([q_parts[g], k_parts[g]], 1), v_parts[g], lr2_parts[g],
+                                           etas[chunk], keeps[chunk])
                     reads.append(out[0])
                     weights, momentum = _keep_rows_without_tokens(out[1:L + 1], out[L + 1:], weights, momentum,
                                                                   valids[chunk])
                 else:
                     split = lambda t: t.unflatten(1, (n, C))  # noqa: E731
-                    grads, scale = self._surprise([w.unsqueeze(1) for w in grad_point], split(k_parts[g]),
-                                                  split(kmv_parts[g]), split(lr2_parts[g]))
+                    grads = self.model.surprise(grad_point, split(k_parts[g]), split(v_parts[g]), split(lr2_parts[g]))
+                    scale = self._clip_scale(grads)
                     grads = list(zip(*[g_.unbind(1) for g_ in grads]))
                     scales = [None] * n if scale is None else scale.unbind(1)
                     read_weights = []
@@ -373,12 +522,12 @@ class NeuralMemory(nn.Module):
                         weights, momentum = self._step(weights, momentum, grads[j], scales[j], etas[chunk + j],
                                                        keeps[chunk + j], valids[chunk + j])
                     stacked = [torch.stack(ws, dim=1) for ws in zip(*read_weights)]
-                    reads.append(self._mlp(stacked, split(q_parts[g])).flatten(1, 2))
+                    reads.append(self.model(stacked, split(q_parts[g])).flatten(1, 2))
                 chunk += n
                 if (first_chunk + chunk) % m == 0:
                     grad_point = weights
             if N > n_full * C:  # the unfinished chunk reads the latest weights and waits in the buffer
-                reads.append(self._mlp(weights, q_parts[-1]))
+                reads.append(self.model(weights, q_parts[-1]))
         out = (torch.cat(reads, dim=1) if len(reads) > 1 else reads[0])[:, r:]
         out = out.view(B, H, T, d).transpose(1, 2).reshape(B, T, H * d).to(hidden.dtype)
 
@@ -410,8 +559,7 @@ def _keep_rows_without_tokens(new_weights, new_momentum, weights, momentum, vali
 
 class _CausalDepthwiseConv(torch.autograd.Function):
     """y_t = sum_i w[:, i] * x_{t+i} for x = [tail; tokens] in [B, T + K - 1, channels] layout: K shifted
-    multiply-adds, with a backward that accumulates into one gradient buffer (conv1d needs two transposes, and
-    autograd through the shifted slices zero-fills a full-size buffer per tap)."""
+    multiply-adds, with a backward that accumulates every tap into one gradient buffer."""
 
     @staticmethod
     def forward(ctx, seq: Tensor, taps: Tensor) -> Tensor:
@@ -441,145 +589,101 @@ def _residual_matmul(base: Tensor, a: Tensor, w: Tensor) -> Tensor:
     return torch.baddbmm(base, a, w) if a.dim() == 3 else base + a @ w
 
 
-class _SiluDerivative(torch.autograd.Function):
-    """upstream * silu'(pre) with a hand-written backward, for the memory-batch path (batch_size > chunk_size): its
-    inner backprop calls it once per hidden layer, and the plain expression's graph kept five intermediates alive."""
-
-    @staticmethod
-    def forward(ctx, upstream: Tensor, pre: Tensor) -> Tensor:
-        ctx.save_for_backward(upstream, pre)
-        s = torch.sigmoid(pre)
-        return (1 - s).mul_(pre).add_(1).mul_(s).mul_(upstream)  # s (1 + pre (1 - s))
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
-        upstream, pre = ctx.saved_tensors
-        s = torch.sigmoid(pre)
-        one_minus_s = 1 - s
-        grad_upstream = grad_pre = None
-        if ctx.needs_input_grad[0]:
-            grad_upstream = (one_minus_s * pre).add_(1).mul_(s).mul_(grad)
-        if ctx.needs_input_grad[1]:
-            # silu''(z) = s (1 - s) (2 + z (1 - 2 s))
-            grad_pre = (1 - 2 * s).mul_(pre).add_(2).mul_(s).mul_(one_minus_s).mul_(upstream).mul_(grad)
-        return grad_upstream, grad_pre
+def _chunks(t: Tensor, chunk: int) -> Tensor:
+    """[rows, n * chunk, f] as [rows * n, chunk, f]: a view where the layout allows (always for contiguous t)."""
+    return t if t.shape[1] == chunk else t.reshape(-1, chunk, t.shape[-1])
 
 
-def _dot(a: Tensor, b: Tensor) -> Tensor:
-    """Per-row inner product of two [rows, m, n] tensors, as [rows, 1, 1] (batched GEMV is ten times slower)."""
-    return torch.linalg.vecdot(a.flatten(1), b.flatten(1))[:, None, None]
+def _dots(xs: Sequence[Tensor], ys: Sequence[Tensor]) -> Tensor:
+    """sum_i <x_i, y_i> per row of [rows, m, n] tensors, as [rows, 1, 1] (vecdot: a batched GEMV is much slower)."""
+    total = None
+    for x, y in zip(xs, ys):
+        dot = torch.linalg.vecdot(x.flatten(1), y.flatten(1))
+        total = dot if total is None else total.add_(dot)
+    return total.view(-1, 1, 1)
 
 
 class _ChunkStep(torch.autograd.Function):
     """One update chunk whose reads and surprise both use the current weights W (every chunk under the default
-    ``batch_size = chunk_size``), as a single autograd node.
+    ``batch_size = chunk_size``), as a single autograd node: an :class:`ExplicitMemoryModel`'s inner gradient, the
+    clip and the update rule, and their reverse.
 
-    Inputs ``(depth, clip, *W, *S, [q; k], [q; k - v], 2 theta, eta, 1 - alpha)``, rows = batch * heads; outputs
-    ``(read, *W_new, *S_new)``. Queries and keys go through the MLP as one [2C, d] block, and its backward is one
-    block too, with the extra terms of the written-out inner backprop (second derivatives of silu included) added
-    on the key rows. One node instead of ~60 tiny ones per chunk made the outer backward 2-3x faster; saving only
-    W, S and G (the activations are recomputed) keeps it small.
+    Inputs ``(model, clip, *W, *S, [q; k], v, 2 theta, eta, 1 - alpha)``, rows = batch * heads; outputs
+    ``(read, *W_new, *S_new)``. Queries and keys go through the model as one [2C, d] block. Saves the inputs, the
+    error and (with a clip) G; the model recomputes its activations in the backward.
     """
 
     @staticmethod
-    def forward(ctx, depth: int, clip: float | None, *tensors: Tensor):
-        W, S = tensors[:depth], tensors[depth:2 * depth]
-        qk, qkmv, lr2, eta, keep = tensors[2 * depth:]
-        C = lr2.shape[1]
-        acts, sigmoids = [qk], []
-        for w in W[:-1]:
-            z = acts[-1] @ w
-            sigmoids.append(torch.sigmoid(z))
-            acts.append(z.mul_(sigmoids[-1]))
-        out = torch.baddbmm(qkmv, acts[-1], W[-1])  # rows :C the read M_W(q), rows C: M_W(k) - v
-        err = out[:, C:]
-        delta = err * lr2.unsqueeze(-1)
-        grads = [acts[-1][:, C:].transpose(1, 2) @ delta]
-        for i in range(depth - 2, -1, -1):
-            s = sigmoids[i][:, C:]
-            delta = (delta @ W[i + 1].transpose(1, 2)).mul_(torch.addcmul(s, acts[i + 1][:, C:], 1 - s))  # silu'
-            grads.append(acts[i][:, C:].transpose(1, 2) @ delta)
-        grads = grads[::-1]
+    def forward(ctx, model: ExplicitMemoryModel, clip: float | None, *tensors: Tensor) -> tuple[Tensor, ...]:
+        L = len(model.shapes)
+        W, S = tensors[:L], tensors[L:2 * L]
+        qk, values, lr2, eta, keep = tensors[2 * L:]
+        C = values.shape[1]
+        out, err, grads = model.inner_gradient(W, qk, values, lr2, C)
         norm = scale = None
         if clip is not None:
-            norm = torch.sqrt(sum(_dot(g, g) for g in grads))
+            norm = _dots(grads, grads).sqrt_()
             scale = clip / norm.clamp(min=clip)
             new_S = [torch.addcmul(eta * s, scale, g, value=-1) for s, g in zip(S, grads)]
         else:
             new_S = [torch.sub(eta * s, g) for s, g in zip(S, grads)]
         new_W = [torch.addcmul(s, keep, w) for w, s in zip(W, new_S)]
-        ctx.depth, ctx.clip = depth, clip
+        ctx.model, ctx.clip = model, clip
         ctx.save_for_backward(*W, *S, qk, lr2, eta, keep, err,
                               *((*grads, norm, scale) if clip is not None else ()))
         return (out[:, :C], *new_W, *new_S)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, g_read: Tensor | None, *g_out: Tensor | None):
-        L, clip = ctx.depth, ctx.clip
-        saved = ctx.saved_tensors
+    def backward(ctx, g_read: Tensor | None, *g_out: Tensor | None) -> tuple[Tensor | None, ...]:
+        model, clip = ctx.model, ctx.clip
+        L, saved = len(model.shapes), ctx.saved_tensors
         W, S = saved[:L], saved[L:2 * L]
         qk, lr2, eta, keep, err = saved[2 * L:2 * L + 5]
-        C = lr2.shape[1]
         gW_new = [torch.zeros_like(w) if g is None else g for g, w in zip(g_out[:L], W)]
         gS_new = [torch.zeros_like(s) if g is None else g for g, s in zip(g_out[L:], S)]
 
         # W' = keep W + S', S' = eta S - scale G
         gS_total = [gs + gw for gs, gw in zip(gS_new, gW_new)]
         gW = [keep * g for g in gW_new]
-        g_keep = sum(_dot(g, w) for g, w in zip(gW_new, W))
+        g_keep = _dots(gW_new, W)
         gS = [eta * g for g in gS_total]
-        g_eta = sum(_dot(g, s) for g, s in zip(gS_total, S))
+        g_eta = _dots(gS_total, S)
         if clip is None:
             gG = [-g for g in gS_total]
         else:
             grads, (norm, scale) = saved[2 * L + 5:3 * L + 5], saved[3 * L + 5:]
             gG = [g * -scale for g in gS_total]
-            g_scale = -sum(_dot(g, G) for g, G in zip(gS_total, grads))
+            g_scale = _dots(gS_total, grads).neg_()
             # scale = clip / norm where norm > clip: d scale / d G = -clip G / norm^3
             coef = torch.where(norm > clip, g_scale * -clip / norm.clamp(min=clip) ** 3, 0.0)
             gG = [g.addcmul_(coef, G) for g, G in zip(gG, grads)]
 
-        # recompute the hidden activations of all 2C rows; silu' = s + a (1 - s), silu'' = s + silu' (1 - 2 s)
-        acts, sigmoids = [qk], []
-        for w in W[:-1]:
-            z = acts[-1] @ w
-            sigmoids.append(torch.sigmoid(z))
-            acts.append(z.mul_(sigmoids[-1]))
-        slopes = [torch.addcmul(s, a, 1 - s) for s, a in zip(sigmoids, acts[1:])]
-        key = lambda t: t[:, C:]  # noqa: E731
+        g_qk, g_values, g_lr2 = model.inner_gradient_backward(W, qk, err, lr2, err.shape[1], g_read, gG, gW)
+        return (None, None, *gW, *gS, g_qk, g_values, g_lr2, g_eta, g_keep)
 
-        # reverse of the inner backprop on the key rows; layer i: input acts[i], output gradient delta[i]
-        delta, u = [None] * (L - 1) + [err * lr2.unsqueeze(-1)], [None] * (L - 1)
-        for i in range(L - 2, -1, -1):
-            u[i] = delta[i + 1] @ W[i + 1].transpose(1, 2)
-            delta[i] = u[i] * key(slopes[i])
-        g_acts_extra, g_pre_extra, g_delta = [None] * L, [None] * (L - 1), [None] * L
-        for i in range(L):
-            g_acts_extra[i] = delta[i] @ gG[i].transpose(1, 2)
-            if g_delta[i] is None:
-                g_delta[i] = key(acts[i]) @ gG[i]
-            else:
-                g_delta[i].baddbmm_(key(acts[i]), gG[i])
-            if i < L - 1:
-                s, slope = key(sigmoids[i]), key(slopes[i])
-                g_pre_extra[i] = torch.addcmul(s, slope, s * -2 + 1).mul_(u[i]).mul_(g_delta[i])
-                g_u = g_delta[i].mul_(slope)
-                g_delta[i + 1] = g_u @ W[i + 1]
-                gW[i + 1].baddbmm_(g_u.transpose(1, 2), delta[i + 1])
-        g_lr2 = (g_delta[L - 1] * err).sum(-1)
-        g_err = g_delta[L - 1].mul_(lr2.unsqueeze(-1))
 
-        # one MLP backward for both blocks: upstream [g_read; g_err], key rows carrying the extra terms
-        g_top = torch.cat([torch.zeros_like(g_err) if g_read is None else g_read, g_err], 1)
-        gW[L - 1].baddbmm_(acts[L - 1].transpose(1, 2), g_top)
-        g_a = g_top @ W[L - 1].transpose(1, 2)
-        key(g_a).add_(g_acts_extra[L - 1])
-        for i in range(L - 2, -1, -1):
-            g_pre = g_a.mul_(slopes[i])
-            key(g_pre).add_(g_pre_extra[i])
-            gW[i].baddbmm_(acts[i].transpose(1, 2), g_pre)
-            g_a = g_pre @ W[i].transpose(1, 2)
-            key(g_a).add_(g_acts_extra[i])
-        return (None, None, *gW, *gS, g_a, g_top, g_lr2, g_eta, g_keep)
+class _Surprise(torch.autograd.Function):
+    """The inner gradients of the n chunks of a memory batch at one shared point P, as a single autograd node.
+
+    Inputs ``(model, C, *P, keys, values, 2 theta)`` with keys and values [rows, n * C, d]; outputs ``G`` per weight
+    [rows * n, d_in, d_out]. Saves P, the keys and the error; the model recomputes its activations in the backward.
+    """
+
+    @staticmethod
+    def forward(ctx, model: ExplicitMemoryModel, chunk: int, *tensors: Tensor) -> tuple[Tensor, ...]:
+        point, (keys, values, lr2) = tensors[:-3], tensors[-3:]
+        _, err, grads = model.inner_gradient(point, keys, values, lr2, chunk)
+        ctx.model, ctx.chunk = model, chunk
+        ctx.save_for_backward(*point, keys, err, lr2)
+        return tuple(grads)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *g_grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        *point, keys, err, lr2 = ctx.saved_tensors
+        gG = [torch.zeros(p.shape[0] * keys.shape[1] // ctx.chunk, *p.shape[1:], dtype=p.dtype, device=p.device)
+              if g is None else g for g, p in zip(g_grads, point)]
+        gP = [torch.zeros_like(p) for p in point]
+        g_keys, g_values, g_lr2 = ctx.model.inner_gradient_backward(point, keys, err, lr2, ctx.chunk, None, gG, gP)
+        return (None, None, *gP, g_keys, g_values, g_lr2)
