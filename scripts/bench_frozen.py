@@ -1,7 +1,7 @@
 """Which memory integration a frozen base learns to use: variant, layer and memory depth on one fixed budget.
 
 Stage a of the main job runs once (a stand-in Qwen3 pretrained and saved), or `--base` names a Qwen folder; then
-every configuration runs stage b of the main job (`python -m titans_hf.demo --model BASE ...`: BABILong files, the
+every configuration runs stage b of the main job (`titans-hf demo --model BASE ...`: BABILong files, the
 titans-hf train code on the frozen base, the titans-hf eval function) with the same steps, seed and data, two at a
 time on one thread each. Prints a table (accuracy with the memory and with it off at 4 and 8 chunks) and writes JSON.
 
@@ -42,7 +42,7 @@ def configurations(num_layers: int) -> dict[str, list[str]]:
 
 def run_configuration(name: str, flags: list[str], base: str, output: Path, common: list[str]) -> dict:
     folder = output / name.replace(", ", "_").replace(" ", "")
-    command = [sys.executable, "-m", "titans_hf.demo", "--model", base, "--output-dir", str(folder), *common, *flags]
+    command = [sys.executable, "-m", "titans_hf.commands", "demo", "--model", base, "--output-dir", str(folder), *common, *flags]
     started = time.time()
     log = folder.with_suffix(".log")
     folder.mkdir(parents=True, exist_ok=True)

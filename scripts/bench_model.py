@@ -102,8 +102,8 @@ def build_models(shape: dict, layers: int | None, chunk_size: int, device, dtype
     torch.manual_seed(0)
     base = Qwen2ForCausalLM(qwen_config(shape, layers, dtype)).to(device=device, dtype=dtype)
     n_layers = base.config.num_hidden_layers
-    config = TitansQwenConfig(text_config=base.config, chunk_size=chunk_size, memory_layers=[n_layers // 2],
-                              freeze_base=freeze_base, **MEMORY)
+    config = TitansQwenConfig(text_config=base.config, memory_config=dict(
+        chunk_size=chunk_size, memory_layers=[n_layers // 2], freeze_base=freeze_base, **MEMORY))
     config._attn_implementation = "sdpa"
     titans = TitansQwenForCausalLM(config, backbone=base).to(device)
     base.requires_grad_(not freeze_base)
@@ -181,7 +181,7 @@ def bench_chunks(chunk_size, counts, device, dtype) -> list[dict]:
     rows = []
     for checkpoint_chunks in (True, False):
         _, titans = build_models(TINY, None, chunk_size, device, dtype, freeze_base=True)
-        titans.config.checkpoint_chunks = checkpoint_chunks
+        titans.config.memory_config.checkpoint_chunks = checkpoint_chunks
         titans.train()
         for count in counts:
             ids = torch.randint(0, TINY["vocab_size"], (1, count * chunk_size), device=device)

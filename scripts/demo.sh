@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The main job: install (or reuse .venv), then train a tiny Qwen3 with Titans memory on BABILong QA1 on the CPU
-# and evaluate it with and without the memory. Writes outputs/demo/. Extra arguments go to `python -m
-# titans_hf.demo` (e.g. --model Qwen/Qwen2.5-0.5B, --output-dir DIR, --seed N; --help lists them).
+# and evaluate it with and without the memory. Writes outputs/demo/. Extra arguments go to `titans-hf demo`
+# (e.g. --model Qwen/Qwen2.5-0.5B, --output-dir DIR, --seed N; --help lists them).
 set -euo pipefail
 started=$SECONDS
 # an explicit argument: a sourced script would otherwise read this script's own arguments as its extras
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh" test
 echo "environment ready in $((SECONDS - started))s"
-.venv/bin/python -m titans_hf.demo "$@"
+.venv/bin/titans-hf demo "$@"
 echo "demo.sh finished in $((SECONDS - started))s (install included)"

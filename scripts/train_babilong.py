@@ -5,12 +5,13 @@
     accelerate launch --config_file titans_hf/accelerate/fsdp.yaml scripts/train_babilong.py ... --bf16
     accelerate launch --config_file titans_hf/accelerate/cpu_ddp.yaml scripts/train_babilong.py ...
 
-Flags: `--help`, or one .json/.yaml file holding them. Logic: titans_hf/training/train_babilong.py.
+Flags: `--help`, or one .json/.yaml file holding them (titans_hf/commands/train.py); logic:
+titans_hf/training/train_babilong.py.
 """
 
 import sys
 
-from titans_hf.training.train_babilong import main
+from titans_hf.commands.train import main
 
 if __name__ == "__main__":
     sys.exit(main())

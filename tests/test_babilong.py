@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from titans_hf.data import babilong
-from titans_hf.data.babilong import (
+from titans_hf.tasks import babilong
+from titans_hf.tasks.babilong import (
     build_example,
     distractor_sentence,
     generate_babilong,
@@ -320,7 +320,7 @@ def test_dataset_card_names_the_settings(tmp_path):
 
 
 def test_cli_generate_writes_the_generator_rows_and_card(tmp_path, tiny_tokenizer_dir, tokenizer):
-    from titans_hf.cli import main
+    from titans_hf.commands import main
 
     output = tmp_path / "qa2" / "300.json"
     argv = ["babilong", "generate", "--task", "qa2", "--length", "300", "--num-samples", "5", "--seed", "4",

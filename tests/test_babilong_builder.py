@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 import titans_hf  # noqa: F401  (registers titans_babilong)
 from titans_hf.data import babilong_builder
-from titans_hf.data.babilong import build_example, generate_babilong, train_eval_split
+from titans_hf.tasks.babilong import build_example, generate_babilong, train_eval_split
 from titans_hf.data.babilong_builder import TitansBabilong, build_babilong
 from titans_hf.data.collator import TitansDataCollator
 
@@ -128,8 +128,9 @@ def test_bad_configurations_are_errors(tmp_path, tiny_tokenizer_dir):
         prepare(tmp_path, task="qa1", length=100, tokenizer=str(tiny_tokenizer_dir), max_length=200)
     with pytest.raises(ValueError, match="answer_reserve_tokens=300"):
         TitansBabilong(cache_dir=str(tmp_path), tokenizer="x", max_length=200, answer_reserve_tokens=300)
-    with pytest.raises(ValueError, match="task='qa7'"):
-        TitansBabilong(cache_dir=str(tmp_path), tokenizer="x", task="qa7")
+    TitansBabilong(cache_dir=str(tmp_path), tokenizer="x", task="qa7")  # a label for data files: any task name
+    with pytest.raises(ValueError, match=r"generates \['qa1', 'qa2', 'qa3'\], not task='qa7'"):
+        prepare(tmp_path, task="qa7", length=100, num_samples=4, tokenizer=str(tiny_tokenizer_dir), max_length=200)
 
 
 def test_load_dataset_without_data_files_generates_from_any_working_directory(

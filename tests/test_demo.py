@@ -12,8 +12,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from titans_hf.data.babilong import ACTORS, LOCATIONS, MOVE_VERBS, OBJECTS, generate_babilong
-from titans_hf.demo import build_demo_tokenizer, domain_documents, main, run_demo
+from titans_hf.tasks.babilong import ACTORS, LOCATIONS, MOVE_VERBS, OBJECTS, generate_babilong
+from titans_hf.commands import main as cli_main
+from titans_hf.demo import build_demo_tokenizer, domain_documents, run_demo
 from titans_hf.modeling import TitansQwenForCausalLM
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -187,7 +188,7 @@ def test_demo_memory_folder_reloads_to_identical_logits(demo):
 
 def test_demo_main_rejects_bad_lengths(tmp_path):
     with pytest.raises(ValueError, match="eval_chunks"):
-        main(["--output-dir", str(tmp_path), "--eval-chunks", "0"])
+        cli_main(["demo", "--output-dir", str(tmp_path), "--eval-chunks", "0"])
 
 
 def test_demo_with_a_given_model_skips_stage_a(tiny_qwen3_dir, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -9,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from titans_hf.cli import main as cli_main
-from titans_hf.data.babilong import TASK_LABELS, generate_babilong, score_exact_match, write_babilong_json
+from titans_hf.commands import main as cli_main
+from titans_hf.tasks.babilong import TASK_LABELS, generate_babilong, score_exact_match, write_babilong_json
 from titans_hf.evaluation import (
     _prompt_ids,
     babilong_files_by_task_length,
@@ -208,7 +209,8 @@ def test_results_json_heatmap_and_predictions_are_written(tiny_qwen3_dir, tmp_pa
         assert cell["chance"] == pytest.approx(1 / 6)
         assert cell["prompt_tokens"]["max"] > length  # prompt = input + question: longer than the input
     # the model card renders this results dict as its table
-    card = render_memory_card(model.memory_config_dict(), written)
+    memory_config = dataclasses.replace(model.config.memory_config, base_model_name_or_path="someone/qwen3-base")
+    card = render_memory_card(memory_config, written)
     assert "qa2" in card and "192" in card
 
     image = matplotlib.image.imread(tmp_path / "heatmap.png")

@@ -12,6 +12,7 @@ client falls back to the LFS protocol, which the Hub still serves.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import json
 import logging
@@ -28,36 +29,18 @@ import numpy as np
 import pytest
 import yaml
 from huggingface_hub import ModelCard, constants
+from transformers import AutoTokenizer
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 from safetensors.numpy import save_file
 
-from titans_hf.cli import main as cli_main
-from titans_hf.hub import push_memory_folder, render_memory_card
+from titans_hf.commands import main as cli_main
+from titans_hf.hub import TitansMemoryConfig, push_memory_folder, render_memory_card
 
-MEMORY_SETTINGS = {
-    "chunk_size": 64,
-    "memory_layers": [1],
-    "variant": "mag",
-    "memory_num_heads": 2,
-    "memory_head_dim": 8,
-    "memory_depth": 2,
-    "memory_expansion": 4,
-    "conv_kernel": 4,
-    "memory_chunk_size": 16,
-    "memory_batch_size": None,
-    "max_lr": 0.1,
-    "num_memory_tokens": 0,
-    "num_persistent_tokens": 0,
-    "bptt_chunks": None,
-    "freeze_base": True,
-}
-MEMORY_CONFIG = {
-    "base_model_name_or_path": "Qwen/Qwen3-0.6B",
-    "model_type": "titans_qwen",
-    "titans_hf_version": "0.1.0",
-    "memory_settings": MEMORY_SETTINGS,
-    "base_shape": {"hidden_size": 32, "num_hidden_layers": 2, "vocab_size": 512, "model_type": "qwen3"},
-}
+MEMORY_CONFIG = TitansMemoryConfig(
+    chunk_size=64, memory_layers=[1], memory_num_heads=2, memory_head_dim=8, memory_depth=2, memory_chunk_size=16,
+    base_model_name_or_path="Qwen/Qwen3-0.6B",
+    base_shape={"hidden_size": 32, "num_hidden_layers": 2, "vocab_size": 512, "model_type": "qwen3"},
+)
 RESULTS = {
     "accuracy": {
         "qa1": {"32k": {"memory": 0.9, "no_memory": 0.35}, "1k": {"memory": 1.0, "no_memory": 0.5}},
@@ -80,12 +63,15 @@ class HubStub:
         self.repos: dict[str, dict] = {}
         self.files: dict[str, dict[str, bytes]] = {}
         self.commits: list[dict] = []
+        self.heads: dict[str, str] = {}
         self.lfs_storage: dict[str, bytes] = {}
 
 
 def _make_handler(hub: HubStub) -> type[BaseHTTPRequestHandler]:
     repo_route = r"/api/models/(?P<repo>[^/]+/[^/]+|[^/]+)"
     model_route = repo_route + r"/(?P<action>preupload|commit)/(?P<revision>[^/?]+)"
+    tree_route = repo_route + r"/tree/(?P<revision>[^/]+)(?:/(?P<path>.*))?"
+    resolve_route = r"/(?P<repo>[^/]+/[^/]+)/resolve/(?P<revision>[^/]+)/(?P<path>.+)"
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -105,7 +91,7 @@ def _make_handler(hub: HubStub) -> type[BaseHTTPRequestHandler]:
                     self.rfile.readline()
             return self.rfile.read(int(self.headers.get("Content-Length", 0)))
 
-        def _reply(self, status: int, payload: dict | None = None, error_code: str | None = None) -> None:
+        def _reply(self, status: int, payload: dict | list | None = None, error_code: str | None = None) -> None:
             data = json.dumps(payload if payload is not None else {}).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
@@ -113,7 +99,8 @@ def _make_handler(hub: HubStub) -> type[BaseHTTPRequestHandler]:
             if error_code:
                 self.send_header("X-Error-Code", error_code)
             self.end_headers()
-            self.wfile.write(data)
+            if self.command != "HEAD":  # a HEAD reply has headers only
+                self.wfile.write(data)
 
         def _authorized(self) -> bool:
             hub.authorizations.append(self.headers.get("Authorization"))
@@ -155,12 +142,70 @@ def _make_handler(hub: HubStub) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self):
             hub.requests.append(("GET", self.path))
-            # create_repo(exist_ok=True) asks for the repo's info after a 401; only the refusal is needed.
-            if re.fullmatch(repo_route + r"(/revision/.*)?", self.path.split("?")[0]):
-                if not self._authorized():
+            path = self.path.split("?")[0]
+            resolve = re.fullmatch(resolve_route, path)
+            if resolve is not None:
+                return self._resolve(resolve["repo"], resolve["revision"], resolve["path"], send_body=True)
+            tree = re.fullmatch(tree_route, path)
+            if tree is not None:
+                return self._tree(tree["repo"], tree["revision"], tree["path"] or "")
+            info = re.fullmatch(repo_route + r"(?:/revision/(?P<revision>[^/]+))?", path)
+            if info is not None:
+                # create_repo(exist_ok=True) asks for the repo's info after a 401: that asks for a token too
+                if info["repo"] not in hub.repos and not self._authorized():
                     return
+                return self._model_info(info["repo"], info["revision"] or "main")
             hub.unknown_requests.append(("GET", self.path))
             self._reply(404, {"error": "unknown route"})
+
+        def do_HEAD(self):
+            hub.requests.append(("HEAD", self.path))
+            resolve = re.fullmatch(resolve_route, self.path.split("?")[0])
+            if resolve is None:
+                hub.unknown_requests.append(("HEAD", self.path))
+                return self._reply(404, {"error": "unknown route"})
+            self._resolve(resolve["repo"], resolve["revision"], resolve["path"], send_body=False)
+
+        def _missing(self, repo_id: str, revision: str, path: str | None = None) -> bool:
+            """Reply the Hub's error for an unknown repository, revision or file; False when all exist."""
+            if repo_id not in hub.repos:
+                self._reply(404, {"error": "Repository not found"}, error_code="RepoNotFound")
+            elif revision not in ("main", hub.heads.get(repo_id)):
+                self._reply(404, {"error": "Invalid rev id"}, error_code="RevisionNotFound")
+            elif path is not None and path not in hub.files[repo_id]:
+                self._reply(404, {"error": "Entry not found"}, error_code="EntryNotFound")
+            else:
+                return False
+            return True
+
+        def _resolve(self, repo_id: str, revision: str, path: str, send_body: bool) -> None:
+            if self._missing(repo_id, revision, path):
+                return
+            content = hub.files[repo_id][path]
+            self.send_response(200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Length", str(len(content)))
+            self.send_header("ETag", f'"{hashlib.sha256(content).hexdigest()}"')
+            self.send_header("X-Repo-Commit", hub.heads[repo_id])
+            self.end_headers()
+            if send_body:
+                self.wfile.write(content)
+
+        def _tree(self, repo_id: str, revision: str, folder: str) -> None:
+            if self._missing(repo_id, revision):
+                return
+            prefix = folder.rstrip("/") + "/" if folder else ""
+            entries = [{"type": "file", "path": name, "size": len(content), "oid": hashlib.sha1(content).hexdigest()}
+                       for name, content in sorted(hub.files[repo_id].items()) if name.startswith(prefix)]
+            if folder and not entries:
+                return self._reply(404, {"error": "Entry not found"}, error_code="EntryNotFound")
+            self._reply(200, entries)
+
+        def _model_info(self, repo_id: str, revision: str) -> None:
+            if self._missing(repo_id, revision):
+                return
+            self._reply(200, {"id": repo_id, "modelId": repo_id, "sha": hub.heads.get(repo_id), "private": False,
+                              "siblings": [{"rfilename": name} for name in sorted(hub.files[repo_id])]})
 
         def _create_repo(self, payload: dict) -> None:
             if not self._authorized():
@@ -236,6 +281,7 @@ def _make_handler(hub: HubStub) -> type[BaseHTTPRequestHandler]:
                 kinds[value["path"]] = operation["key"]
             hub.files[repo_id].update(received)
             commit_oid = hashlib.sha1(body).hexdigest()
+            hub.heads[repo_id] = commit_oid
             hub.commits.append({"repo_id": repo_id, "revision": revision, "summary": header["value"]["summary"],
                                 "files": received, "kinds": kinds})
             self._reply(200, {"commitUrl": f"{hub.endpoint}/{repo_id}/commit/{commit_oid}", "commitOid": commit_oid})
@@ -276,7 +322,7 @@ def memory_folder(tmp_path) -> Path:
         },
         str(folder / "memory_model.safetensors"),
     )
-    (folder / "memory_config.json").write_text(json.dumps(MEMORY_CONFIG, indent=2))
+    MEMORY_CONFIG.save_pretrained(folder)
     (folder / "README.md").write_text("---\nlibrary_name: transformers\n---\nA stale generic card.\n")
     (folder / "training_args.json").write_text("{}")
     (folder / "checkpoint-8").mkdir()
@@ -332,10 +378,13 @@ def test_push_names_the_missing_file(hub, hub_token, memory_folder, missing):
 
 def test_push_refuses_a_config_the_card_cannot_describe(hub, hub_token, memory_folder):
     config = json.loads((memory_folder / "memory_config.json").read_text())
-    del config["memory_settings"]["variant"], config["memory_settings"]["memory_depth"]
-    (memory_folder / "memory_config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"memory_config\.json: 'memory_settings' lacks variant, memory_depth"):
+    (memory_folder / "memory_config.json").write_text(json.dumps({**config, "memory_depth": "two"}))
+    with pytest.raises(ValueError, match=r"memory_config\.json: memory_depth='two' must be an integer >= 1"):
         push_memory_folder(memory_folder, REPO_ID, token=hub_token, endpoint=hub.endpoint)
+    (memory_folder / "memory_config.json").write_text(json.dumps({**config, "load_kwargs": {"trust_remote_code": True}}))
+    with pytest.raises(ValueError, match=r"memory_config\.json: unknown memory setting\(s\) \['load_kwargs'\]"):
+        push_memory_folder(memory_folder, REPO_ID, token=hub_token, endpoint=hub.endpoint)
+    (memory_folder / "memory_config.json").write_text(json.dumps(config))
     (memory_folder / "memory_model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match=r"memory_model\.safetensors: not a readable safetensors file"):
         push_memory_folder(memory_folder, REPO_ID, token=hub_token, endpoint=hub.endpoint)
@@ -362,7 +411,7 @@ def test_cli_push_with_hf_hub_offline_set_fails_clearly(hub, hub_token, memory_f
     """The environment variable itself, read by a fresh process, as a user would set it."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_TOKEN": hub_token}
     completed = subprocess.run(
-        [sys.executable, "-m", "titans_hf.cli", "push", str(memory_folder), REPO_ID, "--endpoint", hub.endpoint],
+        [sys.executable, "-m", "titans_hf.commands", "push", str(memory_folder), REPO_ID, "--endpoint", hub.endpoint],
         env=env, capture_output=True, text=True, check=False,
     )
     assert completed.returncode != 0
@@ -405,14 +454,22 @@ def test_a_rejected_token_is_not_echoed_in_the_error(hub, memory_folder):
 
 
 def test_card_metadata_table_and_loading_snippet():
-    card_text = render_memory_card(MEMORY_CONFIG, RESULTS, repo_id=REPO_ID)
+    card_text = render_memory_card(MEMORY_CONFIG, RESULTS, repo_id=REPO_ID, datasets=["RMT-team/babilong"])
     card = ModelCard(card_text)
 
     assert card.data.base_model == "Qwen/Qwen3-0.6B"
+    assert card.data.base_model_relation == "adapter"
     assert card.data.library_name == "titans_hf"
+    assert card.data.pipeline_tag == "text-generation"
     assert card.data.datasets == ["RMT-team/babilong"]
-    assert card.data.metrics == ["accuracy"]
     assert {"titans", "qwen3", "mag"} <= set(card.data.tags)
+    # the model-index holds every cell of results.json, with the memory and without
+    results = {(r.dataset_config, r.dataset_split, r.metric_name): r.metric_value for r in card.data.eval_results}
+    assert results == {
+        ("qa1", "32k", "exact match, memory"): 0.9, ("qa1", "32k", "exact match, no memory"): 0.35,
+        ("qa1", "1k", "exact match, memory"): 1.0, ("qa1", "1k", "exact match, no memory"): 0.5,
+        ("qa2", "32k", "exact match, memory"): 0.25, ("qa2", "32k", "exact match, no memory"): 0.3,
+    }
     rows = [line for line in card_text.splitlines() if line.startswith("| qa")]
     assert rows == [  # the evaluator's order, difference = memory - no_memory
         "| qa1 | 32k | 0.900 | 0.350 | +0.550 |",
@@ -420,24 +477,27 @@ def test_card_metadata_table_and_loading_snippet():
         "| qa2 | 32k | 0.250 | 0.300 | -0.050 |",
     ]
     assert "Not evaluated yet." not in card_text
-    assert 'TitansQwenForCausalLM.from_base_and_memory("Qwen/Qwen3-0.6B", "someone/qwen3-titans-memory")' in card_text
+    assert 'TitansQwenForCausalLM.from_pretrained("someone/qwen3-titans-memory")' in card_text
     assert "| `memory_layers` | `[1]` |" in card_text
     assert "The base model stayed frozen" in card_text
+    assert "[RMT-team/babilong](https://huggingface.co/datasets/RMT-team/babilong)" in card_text
 
 
-def test_card_without_results_and_with_a_local_base():
-    config = {**MEMORY_CONFIG, "base_model_name_or_path": "/data/models/qwen3-local",
-              "memory_settings": {**MEMORY_SETTINGS, "variant": "mac", "num_persistent_tokens": 4,
-                                  "num_memory_tokens": 8, "bptt_chunks": 2}}
+def test_card_without_results_and_a_local_base_is_refused():
+    config = dataclasses.replace(MEMORY_CONFIG, variant="mac", num_persistent_tokens=4, num_memory_tokens=8,
+                                 bptt_chunks=2, revision="abc123")
     card_text = render_memory_card(config, repo_id=REPO_ID)
     card = ModelCard(card_text)
-
-    assert card.data.base_model is None  # the Hub links bases by repository id only
+    assert card.data.eval_results is None and card.data.datasets is None
     assert "## Evaluation\n\nNot evaluated yet.\n" in card_text
     assert "| task |" not in card_text
-    assert "local path `/data/models/qwen3-local`" in card_text
     assert "Each chunk is prefixed with 4 learned\npersistent tokens and 8 tokens read from the memory" in card_text
     assert "Gradients flowed back through 2 chunks" in card_text
+    assert 'AutoTokenizer.from_pretrained("Qwen/Qwen3-0.6B", revision="abc123")' in card_text
+    # a local path never goes into a public card: the base's Hub id is asked for
+    for local in ("/data/models/qwen3-local", "./base"):
+        with pytest.raises(ValueError, match="not a Hub id: a local path never goes into a public card"):
+            render_memory_card(dataclasses.replace(MEMORY_CONFIG, base_model_name_or_path=local), repo_id=REPO_ID)
 
 
 @pytest.mark.parametrize(
@@ -454,3 +514,73 @@ def test_card_without_results_and_with_a_local_base():
 def test_card_refuses_malformed_results(results, message):
     with pytest.raises(ValueError, match=message):
         render_memory_card(MEMORY_CONFIG, results, repo_id=REPO_ID)
+
+
+# ---- loading by Hub id ----
+
+BASE_REPO_ID = "someone/tiny-qwen3"
+LOAD_AND_RUN = """
+import json, sys
+import torch
+{snippet}
+ids = torch.tensor([json.loads(sys.argv[1])])
+with torch.no_grad():
+    logits = model.eval()(ids).logits
+print(json.dumps({{"logits": logits.tolist(), "tokens": tokenizer(" kitchen")["input_ids"]}}))
+"""
+
+
+def _card_snippet(card: str) -> str:
+    """The model card's usage block, exactly as a user would copy it."""
+    return re.search(r"## Use\n\n```python\n(.*?)```", card, re.DOTALL)[1]
+
+
+def _run_fresh(script: str, ids: list[int], hub: HubStub, hf_home: Path, offline: bool) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_HOME": str(hf_home), "HF_HUB_DISABLE_XET": "1",
+           "HF_HUB_OFFLINE": "1" if offline else "0"}
+    env.pop("HF_TOKEN", None)
+    return subprocess.run([sys.executable, "-c", script, json.dumps(ids)], env=env, capture_output=True, text=True)
+
+
+def test_a_pushed_memory_loads_by_repo_id_in_a_fresh_process(hub, hub_token, tiny_qwen3_dir, tmp_path, monkeypatch):
+    import torch
+    from huggingface_hub import HfApi
+
+    from titans_hf.modeling import TitansQwenForCausalLM
+
+    api = HfApi(endpoint=hub.endpoint, token=hub_token)
+    api.create_repo(BASE_REPO_ID)
+    api.upload_folder(folder_path=str(tiny_qwen3_dir), repo_id=BASE_REPO_ID)  # the base, as a user's base is
+    torch.manual_seed(0)
+    model = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, chunk_size=8, memory_chunk_size=4, memory_head_dim=16)
+    with torch.no_grad():  # a trained memory: W_O and the gates off their (zero) init, so the memory shows
+        for name, param in model.named_parameters():
+            if name.startswith("memory."):
+                param.add_(0.1 * torch.randn_like(param))
+    ids = list(range(5, 25))
+    with torch.no_grad():
+        expected = model.eval()(torch.tensor([ids])).logits
+    monkeypatch.setattr(constants, "ENDPOINT", hub.endpoint)
+    with pytest.raises(ValueError, match="not a Hub id: a local path never goes into a public card"):
+        model.push_to_hub(REPO_ID, token=hub_token)  # trained on a local folder: the base's Hub id is needed
+    model.push_to_hub(REPO_ID, token=hub_token, base_model=BASE_REPO_ID)
+    assert set(hub.files[REPO_ID]) == HUB_FILES
+    assert json.loads(hub.files[REPO_ID]["memory_config.json"])["base_model_name_or_path"] == BASE_REPO_ID
+
+    script = LOAD_AND_RUN.format(snippet=_card_snippet(hub.files[REPO_ID]["README.md"].decode()))
+    online = _run_fresh(script, ids, hub, tmp_path / "hf_home", offline=False)
+    assert online.returncode == 0, online.stderr[-3000:]
+    result = json.loads(online.stdout.splitlines()[-1])
+    assert torch.equal(torch.tensor(result["logits"]), expected)
+    assert result["tokens"] == AutoTokenizer.from_pretrained(tiny_qwen3_dir)(" kitchen")["input_ids"]
+
+    # offline, the same lines load from the cache the first run filled
+    requests = len(hub.requests)
+    cached = _run_fresh(script, ids, hub, tmp_path / "hf_home", offline=True)
+    assert cached.returncode == 0, cached.stderr[-3000:]
+    assert torch.equal(torch.tensor(json.loads(cached.stdout.splitlines()[-1])["logits"]), expected)
+    assert len(hub.requests) == requests
+    # offline with nothing cached: an error that says so, not a traceback from deep inside
+    empty = _run_fresh(script, ids, hub, tmp_path / "empty_home", offline=True)
+    assert empty.returncode != 0
+    assert f"memory_config.json of {REPO_ID} is not in the local Hugging Face cache" in empty.stderr

@@ -61,7 +61,7 @@ def test_untrained_mag_reproduces_base_logits_exactly(base_dir):
 
 def reference_mag_logits(model: TitansQwenForCausalLM, ids: torch.Tensor) -> torch.Tensor:
     """Chunk by chunk with the public modules: fresh attention per chunk, one memory state carried along."""
-    backbone, chunk = model.model, model.config.chunk_size
+    backbone, chunk = model.model, model.config.memory_config.chunk_size
     states = {int(layer): None for layer in model.memory}
     logits = []
     for start in range(0, ids.shape[1], chunk):
@@ -216,7 +216,7 @@ def test_last_chunk_loss_trains_memory_through_the_first_chunk(tiny_qwen2_dir):
     assert grad is not None and grad.abs().sum() > 0
     assert all(p.grad is None for n, p in model.named_parameters() if n.startswith(("model.", "lm_head.")))
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert trainable == set(model.trainable_memory_state_dict())
+    assert trainable == set(model.memory_state_dict())
     assert all(model.get_parameter(n).grad.abs().sum() > 0 for n in trainable)
     # truncated backprop every chunk cuts exactly that path
     _, cut = first_chunk_gradient(bptt_chunks=1)
@@ -251,21 +251,27 @@ def test_save_memory_then_load_gives_identical_logits(tmp_path, tiny_qwen3_dir, 
     assert sorted(p.name for p in (tmp_path / "memory").iterdir()) == ["memory_config.json", "memory_model.safetensors"]
     saved = json.loads((tmp_path / "memory" / "memory_config.json").read_text())
     assert saved["base_model_name_or_path"] == str(tiny_qwen3_dir)
-    assert saved["memory_settings"]["variant"] == "mac" and saved["base_shape"]["model_type"] == "qwen3"
+    assert saved["variant"] == "mac" and saved["base_shape"]["model_type"] == "qwen3"
+    assert saved == model.config.memory_config.to_dict()
     loaded = TitansQwenForCausalLM.from_base_and_memory(tiny_qwen3_dir, tmp_path / "memory").eval()
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
     with pytest.raises(ValueError, match="model_type"):
         TitansQwenForCausalLM.from_base_and_memory(tiny_qwen2_dir, tmp_path / "memory")
-    with pytest.raises(FileNotFoundError, match="memory_config.json"):
+    with pytest.raises(FileNotFoundError, match="nowhere: neither a local folder nor a Hub repository id"):
         TitansQwenForCausalLM.from_base_and_memory(tiny_qwen3_dir, tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="empty/memory_config.json: not found"):
+        TitansQwenForCausalLM.from_base_and_memory(tiny_qwen3_dir, tmp_path / "empty")
     with pytest.raises(ValueError, match="missing"):
         loaded.load_memory_state_dict({})
 
 
 def test_full_save_pretrained_round_trips_through_auto_classes(tmp_path, tiny_qwen3_dir):
     model = build(tiny_qwen3_dir)
-    model.save_pretrained(tmp_path / "full")
+    model.save_pretrained(tmp_path / "memory")  # a frozen base: the memory alone, as PEFT saves an adapter
+    assert sorted(p.name for p in (tmp_path / "memory").iterdir()) == ["memory_config.json", "memory_model.safetensors"]
+    model.save_pretrained(tmp_path / "full", save_full_model=True)
     assert AutoConfig.from_pretrained(tmp_path / "full").model_type == "titans_qwen"
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "full").eval()
     assert isinstance(loaded, TitansQwenForCausalLM)
@@ -299,11 +305,13 @@ def test_bf16_forward(tiny_qwen3_dir):
 def test_invalid_settings_fail_clearly(tiny_qwen3_dir):
     text = AutoConfig.from_pretrained(tiny_qwen3_dir)
     with pytest.raises(ValueError, match="variant"):
-        TitansQwenConfig(text_config=text, variant="memory-as-gate")
+        TitansQwenConfig(text_config=text, memory_config={"variant": "memory-as-gate"})
     with pytest.raises(ValueError, match="memory_layers"):
-        TitansQwenConfig(text_config=text, memory_layers=[2])
+        TitansQwenConfig(text_config=text, memory_config={"memory_layers": [2]})
     with pytest.raises(ValueError, match="num_memory_tokens"):
-        TitansQwenConfig(text_config=text, variant="mac")
+        TitansQwenConfig(text_config=text, memory_config={"variant": "mac"})
+    with pytest.raises(ValueError, match="memory_model"):
+        TitansQwenConfig(text_config=text, memory_config={"memory_model": "lstm"})
     with pytest.raises(ValueError, match="unknown memory settings"):
         TitansQwenForCausalLM.from_base(tiny_qwen3_dir, chunk=8)
 
@@ -311,7 +319,7 @@ def test_invalid_settings_fail_clearly(tiny_qwen3_dir):
 def test_conv_init_reaches_every_memory_and_survives_save_load(tiny_qwen3_dir, tmp_path):
     model = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, chunk_size=16, memory_layers=[0, 1], memory_num_heads=2,
                                             memory_head_dim=8, conv_kernel=4)
-    assert model.config.conv_init == "window"
+    assert model.config.memory_config.conv_init == "window"
     for block in model.memory.values():
         assert torch.equal(block.neural_memory.conv_weight[:32], torch.full((32, 4), 0.25))
     with torch.no_grad():
@@ -319,7 +327,7 @@ def test_conv_init_reaches_every_memory_and_survives_save_load(tiny_qwen3_dir, t
             block.neural_memory.conv_weight.add_(0.5)  # trained weights, not the init, must come back
     model.save_memory(tmp_path / "memory")
     loaded = TitansQwenForCausalLM.from_base_and_memory(tiny_qwen3_dir, tmp_path / "memory")
-    assert loaded.config.conv_init == "window"
+    assert loaded.config.memory_config.conv_init == "window"
     for name, block in model.memory.items():
         assert torch.equal(loaded.memory[name].neural_memory.conv_weight, block.neural_memory.conv_weight)
     identity = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, chunk_size=16, memory_num_heads=2, memory_head_dim=8,
@@ -327,4 +335,4 @@ def test_conv_init_reaches_every_memory_and_survives_save_load(tiny_qwen3_dir, t
     weight = next(iter(identity.memory.values())).neural_memory.conv_weight
     assert torch.equal(weight, torch.tensor([[0.0, 0.0, 0.0, 1.0]]).expand(48, 4))
     with pytest.raises(ValueError, match="conv_init"):
-        TitansQwenConfig(text_config=model.config.text_config.to_dict(), conv_init="mean")
+        TitansQwenConfig(text_config=model.config.text_config.to_dict(), memory_config={"conv_init": "mean"})

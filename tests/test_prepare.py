@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from titans_hf.cli import main
+from titans_hf.commands import main
 from titans_hf.data import prepare as prepare_module
 from titans_hf.data.prepare import prepare
 from titans_hf.data.stores import open_store

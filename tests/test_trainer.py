@@ -6,25 +6,20 @@ import json
 import logging
 import math
 import os
+import tempfile
 
 import datasets
 import pytest
 import safetensors.torch
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-from transformers.trainer_utils import get_last_checkpoint
 
+import titans_hf.hub
 from titans_hf.data.collator import TitansDataCollator
+from titans_hf.data.sampler import ChunkCurriculumSampler, count_chunks
+from titans_hf.hub import MEMORY_CONFIG_NAME, MEMORY_WEIGHTS_NAME, TRAINABLE_BASE_WEIGHTS_NAME
 from titans_hf.modeling import TitansQwenForCausalLM
-from titans_hf.training.trainer import (
-    MEMORY_CONFIG_NAME,
-    MEMORY_WEIGHTS_NAME,
-    TRAINABLE_BASE_WEIGHTS_NAME,
-    ChunkCurriculumSampler,
-    TitansTrainer,
-    TitansTrainingArguments,
-    count_chunks,
-)
+from titans_hf.training import TitansTrainer, TitansTrainingArguments
 
 STEPS_PER_EPOCH = 3  # 6 rows, batch 1, gradient accumulation 2
 ANSWER_TOKENS = 4
@@ -147,7 +142,10 @@ def test_seed_recipe_defaults_and_explicit_logging_steps(tmp_path):
     args = TitansTrainingArguments(output_dir=str(tmp_path))
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.log_every_batches) == (1, 8, 80)
     assert args.logging_steps == 10
-    assert TitansTrainingArguments(output_dir=str(tmp_path), log_every_batches=None, logging_steps=7).logging_steps == 7
+    # an explicit logging_steps wins over log_every_batches, whatever that says
+    assert TitansTrainingArguments(output_dir=str(tmp_path), logging_steps=7).logging_steps == 7
+    assert TitansTrainingArguments(output_dir=str(tmp_path), log_every_batches=16, logging_steps=3).logging_steps == 3
+    assert TitansTrainingArguments(output_dir=str(tmp_path), log_every_batches=None).logging_steps == 500
 
 
 @pytest.mark.parametrize(
@@ -157,7 +155,6 @@ def test_seed_recipe_defaults_and_explicit_logging_steps(tmp_path):
         ({"curriculum_chunks": [2, 2]}, "curriculum_chunks"),
         ({"curriculum_chunks": [0, 1]}, "curriculum_chunks"),
         ({"curriculum_epochs_per_stage": 0}, "curriculum_epochs_per_stage"),
-        ({"push_to_hub": True}, "titans-hf push"),
     ],
 )
 def test_bad_arguments_raise(tmp_path, overrides, message):
@@ -244,13 +241,21 @@ CHECKPOINT_FILES = [
 ]
 
 
+def tokenizer_files(model_dir) -> list[str]:
+    """What saving the tiny tokenizer writes: a checkpoint and the final memory hold it too."""
+    with tempfile.TemporaryDirectory() as folder:
+        AutoTokenizer.from_pretrained(model_dir).save_pretrained(folder)
+        return sorted(os.listdir(folder))
+
+
 def test_checkpoint_holds_only_the_memory(tiny_qwen3_dir, rows, tmp_path):
     trainer = make_trainer(tiny_qwen3_dir, tmp_path, rows, max_steps=2)
     trainer.train()
     checkpoint = tmp_path / "checkpoint-2"
-    assert sorted(os.listdir(checkpoint)) == sorted(CHECKPOINT_FILES + [MEMORY_CONFIG_NAME, MEMORY_WEIGHTS_NAME])
+    assert sorted(os.listdir(checkpoint)) == sorted(
+        CHECKPOINT_FILES + [MEMORY_CONFIG_NAME, MEMORY_WEIGHTS_NAME] + tokenizer_files(tiny_qwen3_dir))
     saved = safetensors.torch.load_file(checkpoint / MEMORY_WEIGHTS_NAME)
-    memory = trainer.model.trainable_memory_state_dict()
+    memory = trainer.model.memory_state_dict()
     assert sorted(saved) == sorted(memory) == sorted(trainable_weights(trainer.model))
     assert not [name for name in saved if name.startswith(("model.", "lm_head."))]
     assert all(torch.equal(saved[name], memory[name]) for name in memory)
@@ -258,7 +263,7 @@ def test_checkpoint_holds_only_the_memory(tiny_qwen3_dir, rows, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-1", "checkpoint-2"]
     # a checkpoint is a save_memory folder: it loads back onto the base
     reloaded = TitansQwenForCausalLM.from_base_and_memory(tiny_qwen3_dir, checkpoint)
-    assert all(torch.equal(reloaded.trainable_memory_state_dict()[n], w) for n, w in memory.items())
+    assert all(torch.equal(reloaded.memory_state_dict()[n], w) for n, w in memory.items())
 
 
 def test_checkpoint_of_any_frozen_base_model_holds_its_trainable_weights(tiny_qwen3_dir, rows, tmp_path):
@@ -267,7 +272,8 @@ def test_checkpoint_of_any_frozen_base_model_holds_its_trainable_weights(tiny_qw
     trainer = make_trainer(tiny_qwen3_dir, tmp_path, rows, collator=collator, model=model, max_steps=1)
     trainer.train()
     checkpoint = tmp_path / "checkpoint-1"
-    assert sorted(os.listdir(checkpoint)) == sorted(CHECKPOINT_FILES + [MEMORY_WEIGHTS_NAME])
+    assert sorted(os.listdir(checkpoint)) == sorted(
+        CHECKPOINT_FILES + [MEMORY_WEIGHTS_NAME] + tokenizer_files(tiny_qwen3_dir))
     saved = safetensors.torch.load_file(checkpoint / MEMORY_WEIGHTS_NAME)
     assert sorted(saved) == [
         "model.layers.1.mlp.down_proj.weight",
@@ -319,7 +325,7 @@ def test_loading_a_folder_without_memory_weights_fails_clearly(tiny_qwen3_dir, r
         trainer._load_from_checkpoint(str(tmp_path / "checkpoint-9"))
 
 
-def test_interrupted_checkpoint_never_looks_complete(tiny_qwen3_dir, rows, uninterrupted, tmp_path):
+def test_an_interrupted_checkpoint_is_never_resumed_from(tiny_qwen3_dir, rows, uninterrupted, tmp_path, caplog):
     trainer = make_trainer(tiny_qwen3_dir, tmp_path, rows)
     save_rng_state = trainer._save_rng_state
 
@@ -331,12 +337,17 @@ def test_interrupted_checkpoint_never_looks_complete(tiny_qwen3_dir, rows, unint
     trainer._save_rng_state = killed_during_step_2
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint-1", "tmp-checkpoint-2"]
-    assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-1")
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-1", "checkpoint-2"]
+    assert not (tmp_path / "checkpoint-2" / "trainer_state.json").exists()
+    with pytest.raises(ValueError, match="checkpoint-2.*trainer_state.json is missing"):
+        make_trainer(tiny_qwen3_dir, tmp_path, rows).train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
 
-    # resuming picks the last complete checkpoint, overwrites the stale staging folder, ends exact
+    # resuming takes the last complete checkpoint, says it passed over checkpoint-2, rewrites it, ends exact
     resumed = make_trainer(tiny_qwen3_dir, tmp_path, rows, save_total_limit=2)
-    resumed.train(resume_from_checkpoint=True)
+    with caplog.at_level(logging.WARNING, logger="titans_hf.training.trainer"):
+        resumed.train(resume_from_checkpoint=True)
+    assert any("skipping the incomplete checkpoint" in r.getMessage() and "checkpoint-2" in r.getMessage()
+               for r in caplog.records)
     final = trainable_weights(resumed.model)
     assert all(torch.equal(final[n], w) for n, w in uninterrupted["None"].items())
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-5", "checkpoint-6"]
@@ -345,28 +356,28 @@ def test_interrupted_checkpoint_never_looks_complete(tiny_qwen3_dir, rows, unint
 def test_save_model_writes_memory_only_and_atomically(tiny_qwen3_dir, rows, tmp_path, monkeypatch):
     trainer = make_trainer(tiny_qwen3_dir, tmp_path, rows)
     trainer.save_model(str(tmp_path / "final"))
-    assert sorted(os.listdir(tmp_path / "final")) == [MEMORY_CONFIG_NAME, MEMORY_WEIGHTS_NAME, "training_args.json"]
+    assert sorted(os.listdir(tmp_path / "final")) == sorted(
+        [MEMORY_CONFIG_NAME, MEMORY_WEIGHTS_NAME, "training_args.json"] + tokenizer_files(tiny_qwen3_dir))
 
     def crash(state_dict, path, metadata=None):
         open(path, "wb").write(b"partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", crash)
+    monkeypatch.setattr(titans_hf.hub, "save_file", crash)
     with pytest.raises(OSError, match="disk full"):
         trainer.save_model(str(tmp_path / "final2"))
     assert not (tmp_path / "final2" / MEMORY_WEIGHTS_NAME).exists()
 
 
-def test_rank0_log_line_counts_batches(tiny_qwen3_dir, rows, tmp_path, caplog):
+def test_one_log_line_per_logging_step(tiny_qwen3_dir, rows, tmp_path, capsys):
     trainer = make_trainer(
-        tiny_qwen3_dir, tmp_path, rows, save_strategy="no", max_steps=2, log_every_batches=4
+        tiny_qwen3_dir, tmp_path, rows, save_strategy="no", max_steps=4, log_every_batches=4, logging_steps=None
     )
     assert trainer.args.logging_steps == 2
-    with caplog.at_level(logging.INFO, logger="titans_hf.training.trainer"):
-        trainer.train()
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
-    assert lines[0].startswith("step 2 | batches 4 | loss ")
-    assert "learning_rate" in lines[0]
+    trainer.train()
+    printed = [line for line in capsys.readouterr().out.splitlines() if "'loss'" in line]
+    assert len(printed) == 2  # steps 2 and 4, each once
+    assert [entry["step"] for entry in trainer.state.log_history if "loss" in entry] == [2, 4]
 
 
 def test_model_without_trainable_parameters_is_refused(tiny_qwen3_dir, tmp_path):
@@ -406,7 +417,7 @@ def test_trained_base_weights_stay_out_of_the_memory_file_and_resume(tiny_qwen3_
     checkpoint = tmp_path / "checkpoint-2"
     memory = safetensors.torch.load_file(checkpoint / MEMORY_WEIGHTS_NAME)
     base = safetensors.torch.load_file(checkpoint / TRAINABLE_BASE_WEIGHTS_NAME)
-    assert sorted(memory) == sorted(model.trainable_memory_state_dict())
+    assert sorted(memory) == sorted(model.memory_state_dict())
     assert base and all(name.startswith(("model.", "lm_head.")) for name in base)
     assert sorted(memory) + sorted(base) == sorted(memory | base) == sorted(trainable_weights(model))
     TitansQwenForCausalLM.from_base_and_memory(tiny_qwen3_dir, checkpoint)  # the memory file alone loads

@@ -1,6 +1,43 @@
-"""titans_hf: a Titans neural long-term memory for pretrained Qwen models on the Hugging Face stack."""
+"""titans_hf: a Titans neural long-term memory for pretrained Qwen models on the Hugging Face stack.
 
-__version__ = "0.1.0"
+Importing `titans_hf` registers `titans_qwen` with transformers' `AutoConfig` / `AutoModelForCausalLM`, and the
+`titans_tokens` / `titans_babilong` builders with `datasets` (`titans_hf.data`) as soon as `datasets` is imported:
+right away when it already is, else when the program first imports it. So `import titans_hf.modeling` alone never
+imports or changes `datasets`.
+"""
 
-from . import modeling  # noqa: E402,F401  (registers titans_qwen with AutoConfig / AutoModelForCausalLM)
-from . import data  # noqa: E402,F401  (registers the titans_tokens datasets builder)
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+
+__version__ = "0.2.0"
+
+from . import modeling  # noqa: E402,F401  (registers titans_qwen with the transformers Auto classes)
+
+
+class _RegisterBuildersOnDatasetsImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: when `datasets` is first imported, it lets the import run, then imports
+    `titans_hf.data` (which registers the builders) and steps out of `sys.meta_path`."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "datasets":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_module_then_register(module):
+            exec_module(module)
+            importlib.import_module("titans_hf.data")
+
+        spec.loader.exec_module = exec_module_then_register
+        return spec
+
+
+if "datasets" in sys.modules:
+    from . import data  # noqa: E402,F401
+elif not any(isinstance(finder, _RegisterBuildersOnDatasetsImport) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterBuildersOnDatasetsImport())

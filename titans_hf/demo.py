@@ -19,14 +19,10 @@ Why the recipe looks the way it does is measured in ``docs/frozen_base.md``.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import json
 import logging
 import math
-import os
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -44,22 +40,29 @@ from transformers import (
     set_seed,
 )
 
-from titans_hf.data.babilong import (
+from titans_hf.evaluation import evaluate_babilong, load_model_for_eval
+from titans_hf.local_models import build_qwen, build_tokenizer
+from titans_hf.tasks.babilong import (
     ACTORS,
     LOCATIONS,
     MOVE_VERBS,
     OBJECTS,
     PROMPT_TEMPLATE,
-    _random_fact,
-    _random_question,
-    _World,
+    World,
     distractor_sentence,
     generate_babilong,
+    random_fact,
+    random_question,
     write_babilong_json,
 )
-from titans_hf.evaluation import evaluate_babilong, format_results_table, load_model_for_eval
-from titans_hf.local_models import build_qwen, build_tokenizer
-from titans_hf.training.train_babilong import BabilongTrainingArguments, DataArguments, ModelArguments, train_babilong
+from titans_hf.training.train_babilong import (
+    BabilongTrainingArguments,
+    DataArguments,
+    MemoryArguments,
+    ModelArguments,
+    train_babilong,
+)
+from titans_hf.utils import atomic_write, atomic_write_json
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +128,7 @@ def domain_documents(task: str, num_documents: int, characters: int = 400, entit
     rng = random.Random(f"titans_hf.demo.documents:{task}:{seed}")
     documents = []
     for _ in range(num_documents):
-        world, parts = _World(), []
+        world, parts = World(), []
         while len(" ".join(parts)) < characters:
             roll = rng.random()
             if roll < entity_share:
@@ -133,8 +136,8 @@ def domain_documents(task: str, num_documents: int, characters: int = 400, entit
             elif roll < entity_share + 0.2:
                 parts.append(distractor_sentence(rng))
             else:
-                parts.append(_random_fact(task, world, rng))
-            asked = _random_question(task, world, rng) if world.actor_location and rng.random() < 0.3 else None
+                parts.append(random_fact(task, world, rng))
+            asked = random_question(task, world, rng) if world.actor_location and rng.random() < 0.3 else None
             if asked is not None:
                 question, answer = asked
                 parts.append(PROMPT_TEMPLATE.format(input="", question=question) + f" {answer}\n\n")
@@ -303,12 +306,9 @@ def plot_loss_curve(log_history: list[dict[str, Any]], path: str | Path, steps_p
                   color="tab:orange")
     axis.legend(loc="lower left", fontsize=8)
     axis.set_title("BABILong with Titans memory on a frozen base: training loss")
-    path = Path(path)
-    temporary = path.with_name(f".{path.name}.tmp")
-    figure.savefig(temporary, format="png", dpi=120, bbox_inches="tight")
+    atomic_write(path, lambda temporary: figure.savefig(temporary, format="png", dpi=120, bbox_inches="tight"))
     plt.close(figure)
-    os.replace(temporary, path)
-    return path
+    return Path(path)
 
 
 def run_demo(
@@ -386,7 +386,8 @@ def run_demo(
     chunks = row_chunks([row for rows in train_rows.values() for row in rows], tokenizer, chunk_size)
     stages = sorted({min(chunks), max(chunks)})
     settings = dict(MEMORY_SETTINGS, **(memory_settings or {}))
-    model_args = ModelArguments(model_name_or_path=base, chunk_size=chunk_size, **settings)
+    model_args = ModelArguments(model_name_or_path=base)
+    memory_args = MemoryArguments(chunk_size=chunk_size, **settings)
     data_args = DataArguments(data_files=[str(path) for path in data_files], max_length=(max(stages) + 1) * chunk_size,
                               answer_reserve_tokens=16, generation_seed=seed)
     # the builder keeps `train_ratio` of the rows for training; the exact count is known once it has split them
@@ -412,7 +413,7 @@ def run_demo(
         dataloader_num_workers=0,
         disable_tqdm=not show_progress,
     )
-    trainer = train_babilong(model_args, data_args, training_args)
+    trainer = train_babilong(model_args, memory_args, data_args, training_args)
     trained = trainer.model
     timings["stage_b_train_s"] = time.time() - stage_b_started
     trainable = sum(p.numel() for p in trained.parameters() if p.requires_grad)
@@ -434,7 +435,7 @@ def run_demo(
     timings["eval_s"] = time.time() - eval_started
     timings["total_s"] = time.time() - started
     run_info.update({
-        "memory_settings": trained.config.memory_settings(),
+        "memory_settings": trained.config.memory_config.memory_settings(),
         "train_lengths": train_lengths,
         "eval_lengths": eval_lengths,
         "num_train_rows": len(trainer.train_dataset),
@@ -446,9 +447,7 @@ def run_demo(
         "threads": torch.get_num_threads(),
         "timings": {key: round(value, 1) for key, value in timings.items()},
     })
-    temporary = output / f".{RUN_INFO_NAME}.tmp"
-    temporary.write_text(json.dumps(run_info, indent=2) + "\n")
-    os.replace(temporary, output / RUN_INFO_NAME)
+    atomic_write_json(output / RUN_INFO_NAME, run_info)
     return {
         "results": results,
         "run_info": run_info,
@@ -484,95 +483,3 @@ def goal_report(results: dict[str, Any], longest_trained: int, chunk_size: int) 
                          f"no memory {100 * no_memory:.1f}% (goal within 10 points of {100 * chance:.1f}%): "
                          f"{'met' if met else 'NOT met'}")
     return lines
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m titans_hf.demo",
-        description="Pretrain a stand-in Qwen (or take --model), freeze it, train a Titans memory on BABILong with "
-        "the titans-hf train code, and score it with and without the memory.",
-    )
-    parser.add_argument("--model", default=None,
-                        help="a pretrained Qwen2/Qwen3 (local folder or Hub id) used as the frozen base; skips stage a")
-    parser.add_argument("--output-dir", default="outputs/demo")
-    parser.add_argument("--task", default="qa1", choices=["qa1", "qa2", "qa3"])
-    parser.add_argument("--chunk-size", type=int, default=32, help="attention segment in tokens")
-    parser.add_argument("--train-chunks", type=int, nargs="+", default=[0, 3, 4],
-                        help="input lengths trained on, in chunks (0 = bare stories)")
-    parser.add_argument("--eval-chunks", type=int, nargs="+", default=[4, 8, 16, 32],
-                        help="input lengths evaluated, in chunks")
-    parser.add_argument("--pretrain-steps", type=int, default=800, help="stage a: steps of the stand-in base")
-    parser.add_argument("--entity-share", type=float, default=0.5,
-                        help="stage a: share of the pretraining sentences about the story's people and places")
-    parser.add_argument("--num-train-samples", type=int, default=1000, help="rows per training length")
-    parser.add_argument("--num-eval-samples", type=int, default=200, help="rows per evaluation length")
-    parser.add_argument("--epochs", type=int, default=14, help="the first on one-chunk rows, the rest on all")
-    parser.add_argument("--max-steps", type=int, default=-1, help="stop stage b after this many steps (-1: the epochs)")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--learning-rate", type=float, default=3e-3)
-    parser.add_argument("--variant", default=None, choices=["mag", "mal", "mac"], help="default: the config's")
-    parser.add_argument("--memory-layers", type=int, nargs="+", default=None, help="default: the config's")
-    parser.add_argument("--memory-depth", type=int, default=None, help="default: the config's")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (1 measured fastest for this small model; more only adds overhead)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(format="%(asctime)s %(message)s", level=logging.INFO, datefmt="%H:%M:%S")
-    logging.getLogger("transformers").setLevel(logging.WARNING)
-    overrides = {"variant": args.variant, "memory_layers": args.memory_layers, "memory_depth": args.memory_depth}
-    if args.variant == "mac":
-        overrides["num_memory_tokens"] = 4
-    demo = run_demo(
-        output_dir=args.output_dir,
-        model=args.model,
-        task=args.task,
-        chunk_size=args.chunk_size,
-        train_chunks=tuple(args.train_chunks),
-        eval_chunks=tuple(args.eval_chunks),
-        pretrain_steps=args.pretrain_steps,
-        entity_share=args.entity_share,
-        num_train_samples=args.num_train_samples,
-        num_eval_samples=args.num_eval_samples,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        learning_rate=args.learning_rate,
-        max_steps=args.max_steps,
-        memory_settings={key: value for key, value in overrides.items() if value is not None},
-        seed=args.seed,
-        threads=args.threads,
-    )
-    info = demo["run_info"]
-    timings = info["timings"]
-    print()
-    if "stage_a_s" in timings:
-        pretraining = info["pretraining"]
-        similarity = pretraining["embedding_similarity"]
-        print(f"stage a (stand-in base, {pretraining['steps']} steps): {timings['stage_a_s']:.0f}s; mean cosine of "
-              f"its embeddings: actors {similarity['actors']:.2f}, locations {similarity['locations']:.2f}")
-    accuracy = info["base_accuracy"]
-    which = "that fit one chunk" if accuracy["fits_one_chunk"] else f"of up to {accuracy['max_prompt_tokens']} tokens"
-    print(f"base alone, full attention, {accuracy['rows']} stories {which}: "
-          f"{100 * accuracy['exact_match']:.1f}% (last place mentioned "
-          f"{100 * accuracy['last_location_baseline']:.1f}%, chance {100 * accuracy['chance']:.1f}%)")
-    params = info["trainable_parameters"]
-    print(f"stage b: trainable (memory) parameters {params['memory']:,} of {params['total']:,} "
-          f"({100 * params['share']:.1f}%), {info['steps']} steps in {timings['stage_b_train_s']:.0f}s, "
-          f"evaluation {timings['eval_s']:.0f}s")
-    if "base_unchanged" in info:
-        print(f"base weights bitwise unchanged by stage b: {'yes' if info['base_unchanged'] else 'NO'}")
-    print(f"\nBABILong {info['task']}, input lengths in tokens (chunks of {info['chunk_size']}; trained up to "
-          f"{max(info['train_lengths'])} tokens), accuracy in %:")
-    print(format_results_table(demo["results"]))
-    print("\nGoal:")
-    print("\n".join(goal_report(demo["results"], max(info["train_lengths"]), info["chunk_size"])))
-    print(f"\ntotal {timings['total_s']:.0f}s")
-    paths = demo["paths"]
-    print(f"results:     {paths['results']}\nheatmap:     {paths['heatmap']}\nloss curve:  {paths['loss_curve']}\n"
-          f"memory:      {paths['memory']}  (titans-hf push {paths['memory']} YOUR_NAME/REPO)")
-    if paths["base"] is not None:
-        print(f"base model:  {paths['base']}  (the stand-in Qwen3 pretrained here, with its tokenizer)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,17 +1,14 @@
 """BABILong evaluation: greedy answers with the memory on and off on the same weights, scored per task and length.
 
-The ablation is the point of the exercise. A model can score well on BABILong without any memory by
-answering the location mentioned last (recency), so every cell reports, besides the accuracy with
-and without memory, what that recency guess scores and the accuracy on the rows where the answer is
-*not* the last location in the text: only there does a gain show that the memory carried a fact.
+The ablation is the point of the exercise: besides the accuracy with and without memory, every cell reports what
+the recency guess (the last location named) scores and the accuracy where that guess is wrong; the task's own
+scoring lives in `titans_hf.tasks.babilong.scoring`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,14 +17,15 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-from titans_hf.data.babilong import (
+from titans_hf.tasks.babilong import (
     TASK_LABELS,
     build_example,
+    last_location_baseline,
+    last_mentioned_label,
     read_babilong_json,
-    resolve_pad_token_id,
-    score_exact_match,
-    score_label_substring,
+    score_predictions,
 )
+from titans_hf.utils import atomic_write, atomic_write_text, resolve_pad_token_id
 
 RESULTS_NAME = "results.json"
 HEATMAP_NAME = "heatmap.png"
@@ -36,52 +34,6 @@ PREDICTIONS_NAME = "predictions.jsonl"
 _UNBOUNDED_LENGTH = 1 << 62
 
 BabilongData = Mapping[tuple[str, int | str], Sequence[Mapping[str, str]] | str | os.PathLike]
-
-
-# ----------------------------------------------------------------------------------------------
-# Scoring helpers
-
-
-def last_mentioned_label(text: str, labels: Sequence[str]) -> str | None:
-    """The task label (e.g. a location) named last in `text`, whole words only; None when none is named.
-
-    This is the recency guess: for QA1 it is right whenever the person asked about was the last to move.
-    """
-    pattern = re.compile(r"\b(" + "|".join(re.escape(label) for label in labels) + r")\b", re.IGNORECASE)
-    matches = pattern.findall(text)
-    return matches[-1].lower() if matches else None
-
-
-def _mean(flags: Sequence[bool]) -> float | None:
-    return sum(flags) / len(flags) if flags else None
-
-
-def score_predictions(
-    rows: Sequence[Mapping[str, str]], predictions: Sequence[str], labels: Sequence[str]
-) -> dict[str, float | int | None]:
-    """Exact match, label-substring accuracy, and exact match on rows whose answer is not the last label named.
-
-    The last value is None when every row's answer is the last label named (no row can tell memory from recency).
-    """
-    if len(rows) != len(predictions):
-        raise ValueError(f"score_predictions: {len(rows)} rows but {len(predictions)} predictions")
-    exact = [score_exact_match(p, r["target"]) for r, p in zip(rows, predictions)]
-    substring = [score_label_substring(p, r["target"], labels, r["question"]) for r, p in zip(rows, predictions)]
-    not_last = [
-        hit for hit, row in zip(exact, rows) if last_mentioned_label(row["input"], labels) != row["target"].strip().lower()
-    ]
-    return {
-        "exact_match": _mean(exact),
-        "label_substring": _mean(substring),
-        "exact_match_not_last_location": _mean(not_last),
-    }
-
-
-def last_location_baseline(rows: Sequence[Mapping[str, str]], labels: Sequence[str]) -> dict[str, float | int]:
-    """What answering the last label named in the input scores, and how many rows that guess gets wrong."""
-    guesses = [last_mentioned_label(row["input"], labels) for row in rows]
-    right = [guess == row["target"].strip().lower() for guess, row in zip(guesses, rows)]
-    return {"accuracy": sum(right) / len(rows), "num_not_last_location": len(rows) - sum(right)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -183,23 +135,6 @@ def _generate_answers(model, tokenizer, prompts, batches, generation_config, pro
 # Outputs
 
 
-def _atomic_write(path: Path, write) -> None:
-    """Write through a temporary file in the same folder, then rename: a partial output never looks complete."""
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(handle)
-    try:
-        write(temporary)
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise
-
-
-def _write_text(path: Path, text: str) -> None:
-    _atomic_write(path, lambda temporary: Path(temporary).write_text(text, encoding="utf-8"))
-
-
 def plot_heatmap(results: Mapping[str, Any], path: str | os.PathLike) -> Path:
     """BABILong's figure: tasks down, lengths across, accuracy (%) in each cell; one panel with the memory, one
     without, on the same colour scale so the two read side by side."""
@@ -230,7 +165,7 @@ def plot_heatmap(results: Mapping[str, Any], path: str | os.PathLike) -> Path:
         axis.set_title(titles[mode])
     figure.colorbar(image, ax=list(axes[0]), label="exact match (%)")
     path = Path(path)
-    _atomic_write(path, lambda temporary: figure.savefig(temporary, format="png", dpi=120, bbox_inches="tight"))
+    atomic_write(path, lambda temporary: figure.savefig(temporary, format="png", dpi=120, bbox_inches="tight"))
     plt.close(figure)
     return path
 
@@ -327,10 +262,10 @@ def evaluate_babilong(
     if output_dir is not None:
         folder = Path(output_dir)
         folder.mkdir(parents=True, exist_ok=True)
-        _write_text(folder / PREDICTIONS_NAME, "\n".join(prediction_lines) + "\n")
+        atomic_write_text(folder / PREDICTIONS_NAME, "\n".join(prediction_lines) + "\n")
         plot_heatmap(results, folder / HEATMAP_NAME)
         # last: results.json present means the whole evaluation finished
-        _write_text(folder / RESULTS_NAME, json.dumps(results, indent=2) + "\n")
+        atomic_write_text(folder / RESULTS_NAME, json.dumps(results, indent=2) + "\n")
     return results
 
 
@@ -356,7 +291,7 @@ def format_results_table(results: Mapping[str, Any]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# Command line: titans-hf eval
+# Loading what training produced
 
 
 def load_model_for_eval(
@@ -368,101 +303,44 @@ def load_model_for_eval(
 ):
     """(model, tokenizer) from what a user has after training, whichever of the three forms it is:
 
-    - `model` = a base Qwen (hub id or folder) and `memory` = a `save_memory` folder;
-    - `model` = a `save_memory` folder alone (its memory_config.json names the base);
-    - `model` = a full saved TitansQwen folder (`save_pretrained`, model_type "titans_qwen").
+    - `model` = a base Qwen (Hub id or folder) and `memory` = a memory folder or Hub id;
+    - `model` = a memory folder or Hub id alone (its memory_config.json names the base);
+    - `model` = a full saved TitansQwen folder (`save_pretrained(..., save_full_model=True)`).
     The tokenizer defaults to the base model's (or the full model folder's).
     """
     from transformers import AutoConfig, AutoTokenizer
 
-    from titans_hf.modeling.modeling_titans_qwen import MEMORY_CONFIG_NAME, TitansQwenForCausalLM
+    from titans_hf.hub import TitansMemoryConfig, is_memory
+    from titans_hf.modeling import TitansQwenForCausalLM
 
     load_kwargs = {} if dtype is None else {"dtype": getattr(torch, dtype)}
-    model_path = Path(model)
-    if memory is None and (model_path / MEMORY_CONFIG_NAME).is_file():
-        memory = model_path
-        config_path = model_path / MEMORY_CONFIG_NAME
-        try:
-            model = json.loads(config_path.read_text(encoding="utf-8"))["base_model_name_or_path"]
-        except (json.JSONDecodeError, KeyError, TypeError) as error:
-            raise ValueError(f"{config_path}: not a memory config naming its base model ({error!r})") from error
+    if memory is None and is_memory(model):
+        memory, model = model, None
     if memory is not None:
         loaded = TitansQwenForCausalLM.from_base_and_memory(model, memory, **load_kwargs)
+        if tokenizer is None and model is None:
+            config = TitansMemoryConfig.from_pretrained(memory)
+            tokenizer, revision = config.base_model_name_or_path, config.revision
+        else:
+            tokenizer, revision = tokenizer or model, None
     else:
-        model_type = AutoConfig.from_pretrained(model).model_type
+        model_type = AutoConfig.from_pretrained(model, trust_remote_code=False).model_type
         if model_type != "titans_qwen":
             raise ValueError(
                 f"--model {model} is a {model_type!r} model without a memory: pass the trained memory with "
-                "--memory DIR, or a folder written by save_memory / save_pretrained of a TitansQwenForCausalLM"
+                "--memory DIR, or a memory folder / Hub id, or a full TitansQwen folder"
             )
         loaded = TitansQwenForCausalLM.from_pretrained(model, **load_kwargs)
+        tokenizer, revision = tokenizer or model, None
     if device is not None:
         loaded.to(device)
-    return loaded, AutoTokenizer.from_pretrained(tokenizer if tokenizer is not None else model)
-
-
-def add_eval_parser(subcommands) -> None:
-    """`titans-hf eval`: accuracy per task and length with and without the memory, JSON + heatmap PNG."""
-    parser = subcommands.add_parser(
-        "eval",
-        help="score a memory on BABILong (files or generated rows), with and without the memory",
-        description="Greedy answers to BABILong questions, scored by exact match and label substring per task and "
-        "length, with the memory on and off on the same weights; writes results.json, heatmap.png and "
-        "predictions.jsonl to --output.",
-    )
-    parser.add_argument("--model", required=True,
-                        help="base Qwen (with --memory), a save_memory folder, or a saved TitansQwen folder")
-    parser.add_argument("--memory", default=None, help="folder written by model.save_memory")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer name or path (default: the base model's)")
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--data", nargs="+", help="BABILong JSON files laid out as TASK/LENGTH.json, e.g. qa1/32k.json")
-    source.add_argument("--generate", action="store_true", help="generate rows offline (--tasks, --lengths)")
-    parser.add_argument("--tasks", nargs="+", default=["qa1"], choices=sorted(TASK_LABELS), help="(--generate)")
-    parser.add_argument("--lengths", nargs="+", type=int, default=None, help="input lengths in tokens (--generate)")
-    parser.add_argument("--num-samples", type=int, default=100, help="rows per task and length (--generate)")
-    parser.add_argument("--seed", type=int, default=1, help="generation seed; use one the training data did not")
-    parser.add_argument("--haystack", nargs="+", default=None, help="text files for the haystack (--generate)")
-    parser.add_argument("--max-new-tokens", type=int, default=8)
-    parser.add_argument("--batch-size", type=int, default=1, help="rows per generate call (equal prompt lengths only)")
-    parser.add_argument("--no-ablation", action="store_true", help="skip the pass with the memory switched off")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else None,
-                        help="e.g. cuda or cpu (default: cuda when there is one)")
-    parser.add_argument("--output", required=True, help="folder for results.json, heatmap.png, predictions.jsonl")
-    parser.set_defaults(func=_eval_command)
-
-
-def _eval_command(args) -> int:
-    from titans_hf.data.babilong import generate_babilong
-
-    if args.generate and not args.lengths:
-        raise ValueError("titans-hf eval --generate needs --lengths (input lengths in tokens)")
-    if args.data:
-        data = babilong_files_by_task_length(args.data)  # checked before the (slow) model load
-    model, tokenizer = load_model_for_eval(args.model, args.memory, args.tokenizer, args.dtype, args.device)
-    if args.generate:
-        data = {
-            (task, length): generate_babilong(task, args.num_samples, length, tokenizer, args.seed, args.haystack)
-            for task in args.tasks
-            for length in args.lengths
-        }
-    results = evaluate_babilong(
-        model, tokenizer, data, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-        output_dir=args.output, ablation=not args.no_ablation,
-    )
-    print(format_results_table(results))
-    print(f"wrote {Path(args.output) / RESULTS_NAME}, {Path(args.output) / HEATMAP_NAME}, "
-          f"{Path(args.output) / PREDICTIONS_NAME}")
-    return 0
+    return loaded, AutoTokenizer.from_pretrained(tokenizer, revision=revision)
 
 
 __all__ = [
     "evaluate_babilong",
     "load_model_for_eval",
     "babilong_files_by_task_length",
-    "score_predictions",
-    "last_location_baseline",
-    "last_mentioned_label",
     "plot_heatmap",
     "format_results_table",
 ]

@@ -1,74 +1,328 @@
-"""Sharing a trained memory on the Hugging Face Hub: its two files and a model card of our own.
+"""A trained memory as a PEFT-style adapter: its config, its folder, the Hub.
 
-`PushToHubMixin.push_to_hub` would upload whatever lies in the folder and replace README.md with a
-generic card. A memory repository must hold exactly the memory weights, the memory config and a
-card that says which base model the memory belongs to and how to load it there, so the commit
-here is built from those three files explicitly.
+A memory folder (or Hub repository) holds exactly
+
+- `memory_config.json`: a :class:`TitansMemoryConfig`, every memory setting plus the base model it belongs to
+  (Hub id, revision, shape) and the titans_hf version that wrote it;
+- `memory_model.safetensors`: the memory's weights, nothing of the base;
+- `README.md` on the Hub: a model card rendered from `hub_cards/memory_model_card.md`.
+
+Everything read from such a folder is data: only the known settings are read from the config, nothing in it
+chooses code to run or options for loading the base. This module knows nothing of the model classes; the model
+(`titans_hf.modeling`) builds on it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import jinja2
-from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData, get_token, is_offline_mode
-from huggingface_hub.errors import HFValidationError, OfflineModeIsEnabled
+from huggingface_hub import (
+    CommitOperationAdd,
+    EvalResult,
+    HfApi,
+    ModelCard,
+    ModelCardData,
+    get_token,
+    hf_hub_download,
+    is_offline_mode,
+    try_to_load_from_cache,
+)
+from huggingface_hub.errors import (
+    EntryNotFoundError,
+    HFValidationError,
+    LocalEntryNotFoundError,
+    OfflineModeIsEnabled,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
 from huggingface_hub.utils import validate_repo_id
-from safetensors import safe_open
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 from titans_hf import __version__
-from titans_hf.modeling.modeling_titans_qwen import MEMORY_CONFIG_NAME, MEMORY_WEIGHTS_NAME
+from titans_hf.utils import atomic_write, atomic_write_json
 
 logger = logging.getLogger(__name__)
 
+MEMORY_CONFIG_NAME = "memory_config.json"
+MEMORY_WEIGHTS_NAME = "memory_model.safetensors"
+# Base weights that were trained too (freeze_base=False): kept out of the memory file, but part of a checkpoint.
+TRAINABLE_BASE_WEIGHTS_NAME = "trainable_base_model.safetensors"
 CARD_TEMPLATE_PATH = Path(__file__).parent / "hub_cards" / "memory_model_card.md"
-
-# What the card describes; a config lacking one of these would render a card with holes.
-CARD_MEMORY_SETTINGS = (
-    "variant",
-    "chunk_size",
-    "memory_layers",
-    "memory_num_heads",
-    "memory_head_dim",
-    "memory_depth",
-    "memory_expansion",
-    "memory_chunk_size",
-    "num_memory_tokens",
-    "num_persistent_tokens",
-    "bptt_chunks",
-    "freeze_base",
-)
-CARD_BASE_SHAPE = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
-EVALUATION_DATASET = "RMT-team/babilong"
+BASE_SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
 
 
-def _check_memory_config(memory_config: Any, source: str) -> None:
-    """Refuse a config the card cannot describe truthfully; `source` names it in the message."""
-    if not isinstance(memory_config, dict):
-        raise ValueError(f"{source}: expected a JSON object, got {type(memory_config).__name__}")
-    base = memory_config.get("base_model_name_or_path")
-    if not isinstance(base, str) or not base:
-        raise ValueError(f"{source}: 'base_model_name_or_path' must be a non-empty string, got {base!r}")
-    for section, required in (("memory_settings", CARD_MEMORY_SETTINGS), ("base_shape", CARD_BASE_SHAPE)):
-        values = memory_config.get(section)
+@dataclass
+class TitansMemoryConfig:
+    """Every setting of a Titans memory, and the base model it belongs to (PEFT's adapter config, for a memory).
+
+    The single source of the memory settings: `TitansQwenConfig.memory_config`, the `titans-hf train` flags, the
+    model card and the checkpoints all read them from here. `memory_layers` and `memory_num_heads` may stay None
+    until the config meets a base (`TitansQwenConfig` resolves them: the middle layer; hidden size // head dim).
+    """
+
+    chunk_size: int = field(default=4096, metadata={"help": "Attention segment in tokens; attention never reaches "
+                                                            "across a chunk boundary, the memory does."})
+    memory_layers: list[int] | None = field(default=None, metadata={
+        "help": "Decoder layers that get a memory (default: the middle layer, the one a frozen base learned to use "
+                "fastest)."})
+    variant: str = field(default="mag", metadata={
+        "help": "How the memory joins its layer: a key of MEMORY_VARIANTS in titans_hf/modeling/variants.py "
+                "(mag: gated branch beside the layer; mal: on the residual stream before it; mac: memory tokens "
+                "prefix each chunk)."})
+    memory_model: str = field(default="mlp", metadata={
+        "help": "What the memory is: a key of MEMORY_MODELS in titans_hf/modeling/memory.py."})
+    memory_num_heads: int | None = field(default=None, metadata={
+        "help": "Memory heads (default: hidden size // memory_head_dim); small heads keep the fast weights cheap."})
+    memory_head_dim: int = field(default=64, metadata={"help": "Size of one memory head."})
+    memory_depth: int = field(default=1, metadata={"help": "Layers of the memory MLP (1: linear with residual)."})
+    memory_expansion: int = field(default=4, metadata={"help": "Hidden width of the memory MLP, in head sizes."})
+    conv_kernel: int = field(default=4, metadata={
+        "help": "Causal depthwise convolution over q/k/v, in tokens; one wide enough to span a fact sentence "
+                "helps recall."})
+    conv_init: str = field(default="window", metadata={
+        "help": "Start of the q/k convolution: window (mean over its taps) or identity (the plain projection)."})
+    memory_chunk_size: int = field(default=64, metadata={"help": "Tokens per memory update."})
+    memory_batch_size: int | None = field(default=None, metadata={
+        "help": "Tokens between refreshes of the point where inner gradients are taken (None: every update)."})
+    max_lr: float = field(default=0.1, metadata={"help": "Upper bound of the data-dependent inner learning rate."})
+    num_memory_tokens: int = field(default=0, metadata={"help": "mac: memory tokens read at the start of a chunk."})
+    num_persistent_tokens: int = field(default=0, metadata={"help": "mac: learned tokens prefixing every chunk."})
+    bptt_chunks: int | None = field(default=None, metadata={
+        "help": "Detach the memory state every this many chunks (None: backpropagate through all of them)."})
+    freeze_base: bool = field(default=True, metadata={"help": "Train only the memory; the base stays as loaded."})
+    checkpoint_chunks: bool = field(default=True, metadata={
+        "help": "Recompute each chunk in backward: training memory is one chunk plus the memory states."})
+    base_model_name_or_path: str | None = None
+    revision: str | None = None
+    base_shape: dict[str, Any] | None = None
+    titans_hf_version: str = __version__
+
+    BASE_FIELDS: ClassVar[tuple[str, ...]] = ("base_model_name_or_path", "revision", "base_shape",
+                                              "titans_hf_version")
+
+    def __post_init__(self) -> None:
+        def integer(name: str, low: int, optional: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and optional:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}={value!r} must be an integer >= {low}{' or None' if optional else ''}")
+
+        for name in ("chunk_size", "memory_head_dim", "memory_depth", "memory_expansion", "conv_kernel",
+                     "memory_chunk_size"):
+            integer(name, 1)
+        for name in ("memory_num_heads", "memory_batch_size", "bptt_chunks"):
+            integer(name, 1, optional=True)
+        for name in ("num_memory_tokens", "num_persistent_tokens"):
+            integer(name, 0)
+        for name in ("variant", "memory_model", "conv_init", "titans_hf_version"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a string")
+        for name in ("base_model_name_or_path", "revision"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a string or None")
+        for name in ("freeze_base", "checkpoint_chunks"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
+        if isinstance(self.max_lr, bool) or not isinstance(self.max_lr, (int, float)) or not self.max_lr > 0:
+            raise ValueError(f"max_lr={self.max_lr!r} must be a number > 0")
+        self.max_lr = float(self.max_lr)
+        if self.memory_layers is not None:
+            if (not isinstance(self.memory_layers, (list, tuple)) or not self.memory_layers
+                    or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.memory_layers)):
+                raise ValueError(f"memory_layers={self.memory_layers!r} must be a non-empty list of layer indices")
+            self.memory_layers = sorted(set(self.memory_layers))
+        if self.base_shape is not None:
+            if not isinstance(self.base_shape, dict) or set(self.base_shape) != set(BASE_SHAPE_KEYS):
+                raise ValueError(f"base_shape={self.base_shape!r} must hold exactly {list(BASE_SHAPE_KEYS)}")
+            if not isinstance(self.base_shape["model_type"], str) or not all(
+                    isinstance(self.base_shape[key], int) and not isinstance(self.base_shape[key], bool)
+                    for key in BASE_SHAPE_KEYS[1:]):
+                raise ValueError(f"base_shape={self.base_shape!r}: model_type is a string, the sizes integers")
+
+    @classmethod
+    def setting_names(cls) -> tuple[str, ...]:
+        """The settings that shape the memory (every field but the base's)."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name not in cls.BASE_FIELDS)
+
+    def memory_settings(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.setting_names()}
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Any, source: str = "memory config") -> "TitansMemoryConfig":
+        """Build from a dict of known settings only; anything else is a ValueError naming `source`."""
         if not isinstance(values, dict):
-            raise ValueError(f"{source}: '{section}' must be an object, got {type(values).__name__}")
-        missing = [name for name in required if name not in values]
-        if missing:
-            raise ValueError(f"{source}: '{section}' lacks {', '.join(missing)}")
-    variant = memory_config["memory_settings"]["variant"]
-    if variant not in ("mag", "mac", "mal"):
-        raise ValueError(f"{source}: memory_settings.variant must be 'mag', 'mac' or 'mal', got {variant!r}")
+            raise ValueError(f"{source}: expected a JSON object of memory settings, got {type(values).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"{source}: unknown memory setting(s) {unknown}; known: {sorted(known)}")
+        try:
+            return cls(**values)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{source}: {error}") from error
 
+    def save_pretrained(self, save_directory: str | os.PathLike) -> Path:
+        """Write `memory_config.json` into `save_directory` (atomically)."""
+        folder = Path(save_directory)
+        folder.mkdir(parents=True, exist_ok=True)
+        return atomic_write_json(folder / MEMORY_CONFIG_NAME, self.to_dict())
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike, revision: str | None = None,
+                        **hub_kwargs: Any) -> "TitansMemoryConfig":
+        """Read `memory_config.json` from a memory folder or Hub repository (see `hub_file`)."""
+        return read_memory_config(hub_file(name_or_path, MEMORY_CONFIG_NAME, revision=revision, **hub_kwargs))
+
+    def for_base(self, base_config: Any) -> "TitansMemoryConfig":
+        """This config fitted to a base model's config: default layer and heads filled in, the base's shape
+        recorded; a memory made for a base of another shape is refused."""
+        shape = {key: getattr(base_config, key, None) for key in BASE_SHAPE_KEYS}
+        if self.base_shape is not None and self.base_shape != shape:
+            differing = {key: (self.base_shape[key], shape[key]) for key in BASE_SHAPE_KEYS
+                         if self.base_shape[key] != shape[key]}
+            raise ValueError(f"the memory was made for a base of shape {self.base_shape}, this base has {shape} "
+                             f"(memory's vs this base's: {differing})")
+        layers = self.memory_layers if self.memory_layers is not None else [base_config.num_hidden_layers // 2]
+        outside = [layer for layer in layers if layer >= base_config.num_hidden_layers]
+        if outside:
+            raise ValueError(f"memory_layers={layers}: the base has layers 0..{base_config.num_hidden_layers - 1}")
+        heads = self.memory_num_heads or max(1, base_config.hidden_size // self.memory_head_dim)
+        return dataclasses.replace(self, memory_layers=layers, memory_num_heads=heads, base_shape=shape)
+
+
+def read_memory_config(path: str | os.PathLike) -> TitansMemoryConfig:
+    """A `TitansMemoryConfig` from a JSON file; any problem is a ValueError naming the file."""
+    path = Path(path)
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: not a JSON memory config ({error})") from error
+    return TitansMemoryConfig.from_dict(values, source=str(path))
+
+
+# ---- memory folders, local or on the Hub ----
+
+def is_hub_id(name: str) -> bool:
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def hub_file(name_or_path: str | os.PathLike, filename: str, revision: str | None = None, token: str | None = None,
+             cache_dir: str | os.PathLike | None = None, local_files_only: bool = False) -> Path:
+    """`filename` of a local folder, or of a Hub model repository downloaded through `huggingface_hub` (cached,
+    offline-aware: with HF_HUB_OFFLINE=1 only the cache is read). Errors say which file of which source is missing."""
+    folder = Path(name_or_path)
+    if folder.is_dir():
+        path = folder / filename
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: not found (a memory folder holds {MEMORY_CONFIG_NAME} and "
+                                    f"{MEMORY_WEIGHTS_NAME}, written by save_pretrained / save_memory)")
+        return path
+    name = str(name_or_path)
+    if not is_hub_id(name):
+        raise FileNotFoundError(f"{name}: neither a local folder nor a Hub repository id")
+    where = f"{name}{'@' + revision if revision else ''}"
+    try:
+        return Path(hf_hub_download(name, filename, revision=revision, token=token, cache_dir=cache_dir,
+                                    local_files_only=local_files_only))
+    except EntryNotFoundError as error:  # LocalEntryNotFoundError is one too: offline and not cached
+        if isinstance(error, LocalEntryNotFoundError) or is_offline_mode():
+            raise FileNotFoundError(f"{filename} of {where} is not in the local Hugging Face cache and the Hub "
+                                    "cannot be reached (offline: HF_HUB_OFFLINE=1 or no network); download it "
+                                    "once online, or pass a local folder") from error
+        raise FileNotFoundError(f"{where} has no {filename}: not a titans_hf memory repository") from error
+    except (RepositoryNotFoundError, RevisionNotFoundError) as error:
+        raise FileNotFoundError(f"{where}: no such Hub repository or revision (private repositories need a "
+                                "token: HF_TOKEN or `hf auth login`)") from error
+
+
+def is_memory(name_or_path: str | os.PathLike, revision: str | None = None, **hub_kwargs: Any) -> bool:
+    """Whether a folder or Hub repository holds a memory (its `memory_config.json`), as opposed to a full model.
+
+    Offline, the cache decides: a cached full model (its config.json) is not a memory; a repository with neither
+    file cached is an error saying so."""
+    if Path(name_or_path).is_dir():
+        return (Path(name_or_path) / MEMORY_CONFIG_NAME).is_file()
+    name = str(name_or_path)
+    if not is_hub_id(name):
+        return False
+    if is_offline_mode() or hub_kwargs.get("local_files_only"):
+        cache_dir = hub_kwargs.get("cache_dir")
+        if isinstance(try_to_load_from_cache(name, MEMORY_CONFIG_NAME, cache_dir=cache_dir, revision=revision), str):
+            return True
+        if isinstance(try_to_load_from_cache(name, "config.json", cache_dir=cache_dir, revision=revision), str):
+            return False
+        hub_file(name, MEMORY_CONFIG_NAME, revision=revision, **hub_kwargs)  # raises: not in the cache, offline
+    try:
+        hub_file(name, MEMORY_CONFIG_NAME, revision=revision, **hub_kwargs)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def save_memory_folder(save_directory: str | os.PathLike, config: TitansMemoryConfig | None, memory: dict[str, Any],
+                       trainable_base: dict[str, Any] | None = None) -> Path:
+    """Write a memory folder: the config (None for a model without one), the memory weights, and (a checkpoint of
+    a model whose base trains too) the trainable base weights. Each file is written under a temporary name and renamed; the memory weights go
+    last, so their presence means the folder is complete."""
+    folder = Path(save_directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    base_path = folder / TRAINABLE_BASE_WEIGHTS_NAME
+    if trainable_base:
+        tensors = _contiguous(trainable_base)
+        atomic_write(base_path, lambda temporary: save_file(tensors, temporary, metadata={"format": "pt"}))
+    elif base_path.exists():
+        base_path.unlink()  # left by an earlier save into the same folder: it would be loaded on resume
+    if config is not None:
+        config.save_pretrained(folder)
+    tensors = _contiguous(memory)
+    atomic_write(folder / MEMORY_WEIGHTS_NAME, lambda temporary: save_file(tensors, temporary,
+                                                                          metadata={"format": "pt"}))
+    return folder
+
+
+def load_memory_weights(path: str | os.PathLike) -> dict[str, Any]:
+    """The tensors of a safetensors file on the CPU; an unreadable file is a ValueError naming it."""
+    try:
+        return load_file(str(path), device="cpu")
+    except (SafetensorError, OSError, ValueError) as error:
+        raise ValueError(f"{path}: not a readable safetensors file ({error})") from error
+
+
+def load_memory_folder(name_or_path: str | os.PathLike, revision: str | None = None, **hub_kwargs: Any
+                       ) -> tuple[TitansMemoryConfig, dict[str, Any]]:
+    """(config, memory weights) of a memory folder or Hub repository."""
+    config = TitansMemoryConfig.from_pretrained(name_or_path, revision=revision, **hub_kwargs)
+    weights_path = hub_file(name_or_path, MEMORY_WEIGHTS_NAME, revision=revision, **hub_kwargs)
+    return config, load_memory_weights(weights_path)
+
+
+def _contiguous(tensors: dict[str, Any]) -> dict[str, Any]:
+    return {name: tensor.detach().to("cpu").contiguous().clone() for name, tensor in tensors.items()}
+
+
+# ---- the model card ----
 
 def _evaluation_rows(results: dict | None) -> list[dict]:
     """Flatten {"accuracy": {task: {length: {"memory", "no_memory"}}}} into table rows, in the given order.
 
-    The evaluator decides the order of tasks and lengths; sorting here would have to guess how
-    lengths such as "32k" compare.
+    The evaluator decides the order of tasks and lengths; sorting here would have to guess how lengths such as
+    "32k" compare.
     """
     if results is None:
         return []
@@ -87,38 +341,41 @@ def _evaluation_rows(results: dict | None) -> list[dict]:
                 value = scores.get(key)
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
                     raise ValueError(f"{where}[{key!r}]: expected an accuracy in [0, 1], got {value!r}")
-            rows.append({"task": task, "length": length, "memory": scores["memory"], "no_memory": scores["no_memory"]})
+            rows.append({"task": task, "length": str(length), "memory": scores["memory"],
+                         "no_memory": scores["no_memory"]})
     return rows
 
 
-def _is_hub_id(name: str) -> bool:
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return False
-    return True
+def render_memory_card(config: TitansMemoryConfig, results: dict | None = None, *, repo_id: str | None = None,
+                       datasets: list[str] | None = None) -> str:
+    """README.md of a memory repository: Hub metadata (base model, library, tags, datasets, evaluation results),
+    what the memory is, how it was trained, its evaluation table and the line that loads it.
 
-
-def render_memory_card(memory_config: dict, results: dict | None = None, *, repo_id: str | None = None) -> str:
-    """README.md for a memory repository: YAML metadata, what the memory is, how it was trained,
-    its evaluation table, and the line that loads it onto its base.
-
-    `repo_id` is the repository the card will live in (it appears in the loading snippet); without
-    it the snippet shows a placeholder.
+    The base must be named by a Hub id: a local path never goes into a public card. `repo_id` is the repository
+    the card will live in (it appears in the loading snippet); `datasets` are Hub ids of the training data.
     """
-    _check_memory_config(memory_config, "memory_config")
+    base_model = config.base_model_name_or_path
+    if not base_model or not is_hub_id(base_model) or Path(base_model).exists():
+        raise ValueError(f"the memory's base_model_name_or_path is {base_model!r}, not a Hub id: a local path never "
+                         "goes into a public card; pass the base's Hub id (push --base-model ORG/NAME, or "
+                         "base_model= in Python)")
     rows = _evaluation_rows(results)
-    settings = memory_config["memory_settings"]
-    base_shape = memory_config["base_shape"]
-    base_model = memory_config["base_model_name_or_path"]
-    base_is_hub_id = _is_hub_id(base_model)
+    settings = config.memory_settings()
+    eval_results = [
+        EvalResult(task_type="question-answering", dataset_type="RMT-team/babilong", dataset_name="BABILong",
+                   dataset_config=row["task"], dataset_split=row["length"], metric_type="exact_match",
+                   metric_name=f"exact match, {mode.replace('_', ' ')}", metric_value=row[mode])
+        for row in rows for mode in ("memory", "no_memory")
+    ]
     card_data = ModelCardData(
-        # The Hub links a model to its base only through a valid repository id; a local path is left out.
-        base_model=base_model if base_is_hub_id else None,
+        base_model=base_model,
+        base_model_relation="adapter",
         library_name="titans_hf",
-        tags=["titans", "long-term-memory", "long-context", "babilong", base_shape["model_type"], settings["variant"]],
-        datasets=[EVALUATION_DATASET],
-        metrics=["accuracy"],
+        pipeline_tag="text-generation",
+        tags=["titans", "long-term-memory", "long-context", config.base_shape["model_type"], config.variant],
+        datasets=datasets or None,
+        model_name=repo_id or f"titans memory for {base_model}",
+        eval_results=eval_results or None,
     )
     # StrictUndefined: a name missing from the template's inputs is an error, never an empty hole in the card.
     environment = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
@@ -127,78 +384,55 @@ def render_memory_card(memory_config: dict, results: dict | None = None, *, repo
         card_data=card_data.to_yaml(),
         repo_id=repo_id or "<repo_id>",
         base_model=base_model,
-        base_model_display=f"`{base_model}`",
-        base_is_hub_id=base_is_hub_id,
+        revision=config.revision,
         memory_settings=settings,
-        base_shape=base_shape,
-        titans_hf_version=memory_config.get("titans_hf_version", "unknown"),
+        base_shape=config.base_shape,
+        titans_hf_version=config.titans_hf_version,
         evaluation_rows=rows,
+        datasets=datasets or [],
     )
     # Parsing it back checks that the YAML header is what the Hub will read.
     return ModelCard(content).content
 
 
-def _read_memory_folder(folder: Path) -> dict:
-    """Check the folder holds a loadable memory and return its config."""
-    if not folder.is_dir():
-        raise FileNotFoundError(f"{folder}: no such directory (expected a folder written by save_memory)")
-    for name in (MEMORY_WEIGHTS_NAME, MEMORY_CONFIG_NAME):
-        if not (folder / name).is_file():
-            raise FileNotFoundError(
-                f"{folder / name}: missing; a memory folder holds {MEMORY_WEIGHTS_NAME} and {MEMORY_CONFIG_NAME}"
-            )
-    weights_path = folder / MEMORY_WEIGHTS_NAME
-    try:
-        with safe_open(weights_path, framework="numpy") as weights:
-            tensor_names = list(weights.keys())
-    except Exception as error:  # safetensors raises its own error types for every kind of corrupt header
-        raise ValueError(f"{weights_path}: not a readable safetensors file ({error})") from error
-    if not tensor_names:
-        raise ValueError(f"{weights_path}: holds no tensors")
-    config_path = folder / MEMORY_CONFIG_NAME
-    try:
-        memory_config = json.loads(config_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{config_path}: not valid JSON ({error})") from error
-    _check_memory_config(memory_config, str(config_path))
-    return memory_config
+# ---- pushing ----
 
+def push_memory_folder(folder: str | os.PathLike, repo_id: str, *, token: str | None = None,
+                       endpoint: str | None = None, private: bool = False, commit_message: str | None = None,
+                       results: dict | None = None, datasets: list[str] | None = None,
+                       base_model: str | None = None, revision: str | None = None) -> str:
+    """Upload a memory folder to a Hub model repository and return the commit URL.
 
-def push_memory_folder(
-    folder: str | Path,
-    repo_id: str,
-    token: str | None = None,
-    endpoint: str | None = None,
-    private: bool = False,
-    commit_message: str | None = None,
-    results: dict | None = None,
-) -> str:
-    """Upload a `save_memory` folder to a Hub model repository and return the commit URL.
-
-    The commit holds exactly memory_model.safetensors, memory_config.json and a README.md rendered
-    from hub_cards/memory_model_card.md; anything else in the folder stays local. The token comes
-    from `token`, else from HF_TOKEN or `hf auth login`, and is never printed or logged.
+    The commit holds exactly memory_model.safetensors, memory_config.json and a README.md rendered from
+    hub_cards/memory_model_card.md; anything else in the folder stays local. `base_model` / `revision` name the
+    base on the Hub when the memory was trained on a local copy of it (they replace the local path in the
+    uploaded config). The token comes from `token`, else from HF_TOKEN or `hf auth login`, and is never printed
+    or logged.
     """
     folder = Path(folder)
-    memory_config = _read_memory_folder(folder)
-    card = render_memory_card(memory_config, results, repo_id=repo_id)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder}: no such directory (expected a memory folder written by save_pretrained)")
+    config = read_memory_config(hub_file(folder, MEMORY_CONFIG_NAME))
+    weights_path = hub_file(folder, MEMORY_WEIGHTS_NAME)
+    if not load_memory_weights(weights_path):
+        raise ValueError(f"{weights_path}: holds no tensors")
+    if base_model is not None:
+        config = dataclasses.replace(config, base_model_name_or_path=base_model, revision=revision)
+    card = render_memory_card(config, results, repo_id=repo_id, datasets=datasets)
     if is_offline_mode():
-        raise OfflineModeIsEnabled(
-            f"Cannot push {folder} to {repo_id}: offline mode is on (HF_HUB_OFFLINE=1); unset it to push."
-        )
+        raise OfflineModeIsEnabled(f"Cannot push {folder} to {repo_id}: offline mode is on (HF_HUB_OFFLINE=1); "
+                                   "unset it to push.")
     if token is None and get_token() is None:
         raise ValueError(f"Cannot push to {repo_id}: no Hugging Face token; set HF_TOKEN or run `hf auth login`.")
     api = HfApi(endpoint=endpoint, token=token)
     repo_url = api.create_repo(repo_id, private=private, exist_ok=True)
+    config_bytes = (json.dumps(config.to_dict(), indent=2, ensure_ascii=False) + "\n").encode("utf-8")
     operations = [
-        CommitOperationAdd(path_in_repo=MEMORY_WEIGHTS_NAME, path_or_fileobj=str(folder / MEMORY_WEIGHTS_NAME)),
-        CommitOperationAdd(path_in_repo=MEMORY_CONFIG_NAME, path_or_fileobj=str(folder / MEMORY_CONFIG_NAME)),
+        CommitOperationAdd(path_in_repo=MEMORY_WEIGHTS_NAME, path_or_fileobj=str(weights_path)),
+        CommitOperationAdd(path_in_repo=MEMORY_CONFIG_NAME, path_or_fileobj=config_bytes),
         CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=card.encode("utf-8")),
     ]
     logger.info("Pushing %s, %s and README.md to %s", MEMORY_WEIGHTS_NAME, MEMORY_CONFIG_NAME, repo_url)
-    commit = api.create_commit(
-        repo_url.repo_id,
-        operations,
-        commit_message=commit_message or f"Upload Titans memory (titans_hf {__version__})",
-    )
+    commit = api.create_commit(repo_url.repo_id, operations,
+                               commit_message=commit_message or f"Upload Titans memory (titans_hf {__version__})")
     return commit.commit_url

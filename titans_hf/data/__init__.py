@@ -1,9 +1,10 @@
 """Token stores, windowed examples and the `datasets` builders serving them.
 
-Importing this package registers the builders below the way `datasets` lists its packaged ones
-(csv, json, ...), so `load_dataset("titans_tokens", data_files=..., ...)` works offline, streaming
-included: `load_dataset` looks names up in that same dict. Registering one more builder is one
-more entry in `BUILDER_MODULES`.
+Importing this package (or `titans_hf`, see its docstring) registers the builders below the way `datasets`
+lists its packaged ones (csv, json, ...), so `load_dataset("titans_tokens", data_files=..., ...)` works offline,
+streaming included: `load_dataset` looks names up in that same dict. Registering one more builder is one more
+entry in `BUILDER_MODULES`. This is the package's one use of `datasets` internals; `check_datasets_internals`
+fails loudly, naming what moved, when a `datasets` release changes them.
 
 A builder that can generate its rows (`titans_babilong` with `task=`) needs no data files, but
 `datasets` 5.2 resolves data files for a packaged builder from the working directory when none are
@@ -29,15 +30,37 @@ GENERATING_BUILDERS = {"titans_babilong"}
 
 
 def source_hash() -> str:
-    """Hash of this package's code, the `datasets` module hash: changed code rebuilds the Arrow cache."""
+    """Hash of the code the builders' rows depend on (this package, the tasks, the shared helpers), used as the
+    `datasets` module hash: changed code rebuilds the Arrow cache."""
+    package = Path(__file__).resolve().parent.parent
+    files = [*package.glob("data/*.py"), *package.glob("tasks/**/*.py"), package / "utils.py"]
     digest = hashlib.sha256()
-    for file in sorted(Path(__file__).parent.glob("*.py")):
-        digest.update(file.name.encode())
+    for file in sorted(files):
+        digest.update(file.relative_to(package).as_posix().encode())
         digest.update(file.read_bytes())
     return digest.hexdigest()
 
 
+def check_datasets_internals() -> None:
+    """The `datasets` internals the registration relies on; a RuntimeError naming what moved if one is gone."""
+    import datasets
+
+    problems = []
+    if datasets_load._PACKAGED_DATASETS_MODULES is not _PACKAGED_DATASETS_MODULES:
+        problems.append("datasets.load no longer reads datasets.packaged_modules._PACKAGED_DATASETS_MODULES")
+    get_module = getattr(datasets_load.PackagedDatasetModuleFactory, "get_module", None)
+    if get_module is None:
+        problems.append("datasets.load.PackagedDatasetModuleFactory.get_module is gone")
+    for name in ("DatasetModule", "DataFilesDict"):
+        if not hasattr(datasets_load, name):
+            problems.append(f"datasets.load.{name} is gone")
+    if problems:
+        raise RuntimeError(f"titans_hf cannot register its datasets builders with datasets {datasets.__version__}: "
+                           + "; ".join(problems))
+
+
 def register_builders() -> None:
+    check_datasets_internals()
     code_hash = source_hash()
     for name, module_path in BUILDER_MODULES.items():
         _PACKAGED_DATASETS_MODULES[name] = (module_path, code_hash)

@@ -17,7 +17,6 @@ they are split at record boundaries into `name-00000-of-00003.h5` style shards.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import functools
 import json
@@ -411,50 +410,3 @@ def prepare(
         progress.close()
         pool.terminate()
         pool.join()
-
-
-def run_prepare(args: argparse.Namespace) -> int:
-    inputs: Any = args.inputs
-    if args.dataset is not None:
-        if inputs:
-            raise ValueError("pass input files or --dataset, not both")
-        import datasets
-
-        inputs = datasets.load_dataset(args.dataset, split=args.dataset_split)
-    elif not inputs:
-        raise ValueError("no inputs: pass .txt/.jsonl files or --dataset")
-    paths = prepare(
-        inputs,
-        args.output,
-        args.tokenizer,
-        train_type=args.train_type,
-        text_field=args.text_field,
-        num_proc=args.num_proc,
-        batch_size=args.batch_size,
-        shard_tokens=args.shard_tokens,
-        overwrite=args.overwrite,
-    )
-    for path in paths:
-        print(path)
-    return 0
-
-
-def add_prepare_parser(subcommands: argparse._SubParsersAction) -> None:
-    parser = subcommands.add_parser(
-        "prepare",
-        help="tokenize .txt/.jsonl files or a datasets dataset into an .h5 or .bin token store",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("inputs", nargs="*", help=".txt / .jsonl files")
-    parser.add_argument("--output", "-o", required=True, help="store path: NAME.h5, or a directory for .bin + meta.json")
-    parser.add_argument("--tokenizer", required=True, help="AutoTokenizer hub id or local path")
-    parser.add_argument("--train-type", default="seq", choices=list(TRAIN_TYPE_KEYS))
-    parser.add_argument("--text-field", default="text", help="field holding the text (seq)")
-    parser.add_argument("--dataset", default=None, help="datasets name or path to load instead of input files")
-    parser.add_argument("--dataset-split", default="train")
-    parser.add_argument("--num-proc", type=int, default=1)
-    parser.add_argument("--batch-size", type=int, default=256, help="units per tokenizer call")
-    parser.add_argument("--shard-tokens", type=int, default=None, help="start a new shard after this many tokens")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
-    parser.set_defaults(func=run_prepare)

@@ -1,20 +1,28 @@
-"""A global, seeded sampler whose position in training can be saved and restored.
+"""The training samplers: global, seeded, and resumable from a saved state.
 
-accelerate already shards every map-style loader across ranks (``BatchSamplerShard``), so the
+accelerate already shards every map-style loader across ranks (``BatchSamplerShard``), so a
 sampler must yield the same global order on every rank: a rank-aware sampler such as
 ``DistributedSampler`` would be sharded twice. The order is a pure function of ``(seed, epoch)``,
 which is all a checkpoint needs to store. Skipping the batches already consumed on resume is the
 Trainer's job (``skip_first_batches``); doing it here too would skip them twice.
+
+- `ResumableSampler`: every row once per epoch, in a seeded permutation.
+- `ChunkCurriculumSampler`: a length curriculum, rows of at most a few chunks first, then longer ones.
 """
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Sequence
 from typing import Any, Iterator, Sized
 
+import datasets
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
+from tqdm.auto import tqdm
 
 
 def _world_size() -> int:
@@ -70,3 +78,83 @@ class ResumableSampler(Sampler[int]):
                 f"but the dataset has {len(self.data_source)}"
             )
         self.epoch, self.seed, self.shuffle = int(state["epoch"]), int(state["seed"]), bool(state["shuffle"])
+
+
+class ChunkCurriculumSampler(Sampler[int]):
+    """Epoch-staged length curriculum, deterministic in (seed, epoch).
+
+    RMT/ARMT learned BABILong only when trained on one segment first, then more. Epoch `e` is in
+    stage `s = min(e // epochs_per_stage, last)` and draws from the rows of at most `stages[s]`
+    chunks, reshuffled and cycled until the epoch holds `len(chunk_counts)` indices. A fixed epoch
+    length keeps the Trainer's step arithmetic (steps per epoch, batches to skip on resume) valid,
+    and an order that depends only on (seed, epoch) makes resume exact. Like `ResumableSampler` it
+    is global: accelerate shards it across ranks.
+    """
+
+    def __init__(self, chunk_counts: Sequence[int], stages: Sequence[int], epochs_per_stage: int = 1, seed: int = 0):
+        if not chunk_counts:
+            raise ValueError("chunk_counts is empty: the curriculum needs at least one training row")
+        counts = torch.as_tensor(list(chunk_counts), dtype=torch.long)
+        self.pools = [torch.nonzero(counts <= cap).flatten() for cap in stages]
+        for cap, pool in zip(stages, self.pools):
+            if len(pool) == 0:
+                raise ValueError(
+                    f"curriculum stage of <= {cap} chunks has no training row (shortest row has {int(counts.min())} chunks)"
+                )
+        self.num_rows = len(counts)
+        self.stages = list(stages)
+        self.epochs_per_stage = epochs_per_stage
+        self.seed = seed
+        self.epoch = 0
+
+    def stage(self, epoch: int) -> int:
+        return min(epoch // self.epochs_per_stage, len(self.stages) - 1)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def __iter__(self):
+        pool = self.pools[self.stage(self.epoch)]
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        rounds = math.ceil(self.num_rows / len(pool))
+        order = torch.cat([pool[torch.randperm(len(pool), generator=generator)] for _ in range(rounds)])
+        return iter(order[: self.num_rows].tolist())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "stages": self.stages,
+            "epochs_per_stage": self.epochs_per_stage,
+            "num_rows": self.num_rows,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = (state["stages"], state["epochs_per_stage"], state["num_rows"])
+        if saved != (self.stages, self.epochs_per_stage, self.num_rows):
+            raise ValueError(
+                f"checkpoint curriculum (stages, epochs per stage, rows) {saved} differs from "
+                f"{(self.stages, self.epochs_per_stage, self.num_rows)}: resuming would not replay the same data"
+            )
+        self.seed = state["seed"]
+        self.epoch = state["epoch"]
+
+
+def count_chunks(dataset, chunk_size: int) -> list[int]:
+    """Chunks each row occupies once padded to a multiple of `chunk_size` (real tokens only)."""
+    if isinstance(dataset, datasets.Dataset):
+        # numpy format: a 32k-token mask is one array, not 32k Python ints
+        masks = (
+            mask
+            for batch in dataset.select_columns(["attention_mask"]).with_format("numpy").iter(batch_size=64)
+            for mask in batch["attention_mask"]
+        )
+    else:
+        masks = (dataset[i]["attention_mask"] for i in range(len(dataset)))
+    return [
+        max(1, math.ceil(int(np.asarray(mask).sum()) / chunk_size))
+        for mask in tqdm(masks, total=len(dataset), desc="Counting chunks per row", leave=False)
+    ]

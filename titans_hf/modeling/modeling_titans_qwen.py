@@ -3,19 +3,24 @@ information across chunks.
 
 Attention never reaches across a chunk boundary (positions restart at every chunk), so the backbone runs on the
 lengths it was trained on whatever the input length; the memory is the only path from one chunk to the next.
-The backbone's modules are used as loaded, under their own state-dict keys (`model.*`, `lm_head.*`).
+The backbone's modules are used as loaded, under their own state-dict keys (`model.*`, `lm_head.*`); the memory
+layers (`memory.<layer>.*`, one `titans_hf.modeling.variants` block each) and persistent tokens are the rest.
+
+Loading and saving follow PEFT's adapters: `from_pretrained` on a memory folder or Hub repository loads the base it
+names and puts the memory on it; `save_pretrained` and `push_to_hub` of a model with a frozen base write the memory
+alone (see `titans_hf.hub`).
 """
 
-
 import contextlib
-import json
+import functools
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
@@ -24,63 +29,21 @@ from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .configuration_titans_qwen import MEMORY_SETTING_NAMES, TitansQwenConfig
+from titans_hf.hub import (
+    TitansMemoryConfig,
+    is_memory,
+    load_memory_folder,
+    push_memory_folder,
+    save_memory_folder,
+)
+
+from .configuration_titans_qwen import TitansQwenConfig
 from .memory import MemoryState, NeuralMemory
+from .variants import MEMORY_VARIANTS, TitansMemoryBlock
 
-MEMORY_WEIGHTS_NAME = "memory_model.safetensors"
-MEMORY_CONFIG_NAME = "memory_config.json"
 BASE_PREFIXES = ("model.", "lm_head.")
-
-
-class TitansMemoryBlock(nn.Module):
-    """One memory layer: the NeuralMemory plus what the model owns around it.
-
-    `output_weight` (W_O) starts at zero so an untrained block adds exactly nothing. The parameters are direct
-    `nn.Parameter`s because transformers only initialises custom modules that own parameters themselves.
-    """
-
-    def __init__(self, config: TitansQwenConfig):
-        super().__init__()
-        hidden = config.text_config.hidden_size
-        inner = config.memory_num_heads * config.memory_head_dim
-        self.variant = config.variant
-        self.neural_memory = NeuralMemory(
-            hidden_size=hidden,
-            num_heads=config.memory_num_heads,
-            head_dim=config.memory_head_dim,
-            depth=config.memory_depth,
-            expansion=config.memory_expansion,
-            conv_kernel=config.conv_kernel,
-            conv_init=config.conv_init,
-            chunk_size=config.memory_chunk_size,
-            batch_size=config.memory_batch_size,
-            max_lr=config.max_lr,
-        )
-        self.output_weight = nn.Parameter(torch.zeros(hidden, inner))
-        if config.variant == "mag":
-            self.gate_weight = nn.Parameter(torch.zeros(hidden, hidden))
-            self.gate_bias = nn.Parameter(torch.zeros(hidden))
-        if config.variant == "mac":
-            self.memory_queries = nn.Parameter(torch.zeros(config.num_memory_tokens, hidden))
-
-    def project(self, read: Tensor, like: Tensor) -> Tensor:
-        """W_O·read in `like`'s dtype (memory parameters may stay fp32 under a bf16 backbone)."""
-        return F.linear(read.to(self.output_weight.dtype), self.output_weight).to(like.dtype)
-
-    def gated(self, layer_output: Tensor, read: Tensor) -> Tensor:
-        """MAG: the attention branch (the layer's output) gates the memory branch, channel by channel."""
-        dtype = self.gate_weight.dtype
-        normed = F.rms_norm(layer_output.to(dtype), (layer_output.shape[-1],))
-        gate = torch.sigmoid(F.linear(normed, self.gate_weight, self.gate_bias))
-        update = gate * F.linear(read.to(dtype), self.output_weight)
-        return layer_output + update.to(layer_output.dtype)
-
-    def memory_tokens(self, state: MemoryState, batch_size: int) -> Tensor:
-        """MAC memory tokens [B, M, hidden]: learned queries plus W_O·(what the memory returns for them), a pure
-        read of the current weights (the queries are not part of the stream: they never write)."""
-        queries = self.memory_queries.unsqueeze(0).expand(batch_size, -1, -1)
-        read = self.neural_memory.retrieve(self.memory_queries.unsqueeze(0), state)
-        return queries + self.project(read, queries)
+# What the Hub download of a memory takes; everything else goes to the base's from_pretrained.
+HUB_KWARGS = ("token", "cache_dir", "local_files_only")
 
 
 class TitansCache(DynamicCache):
@@ -151,12 +114,7 @@ class TitansQwenPreTrainedModel(PreTrainedModel):
             if not any(getattr(p, "_is_hf_initialized", False) for p in module.parameters()):
                 module.reset_parameters()
         elif isinstance(module, TitansMemoryBlock):
-            init.zeros_(module.output_weight)
-            if hasattr(module, "gate_weight"):
-                init.normal_(module.gate_weight, std=std)
-                init.zeros_(module.gate_bias)
-            if hasattr(module, "memory_queries"):
-                init.normal_(module.memory_queries, std=std)
+            module.initialize(std)
         elif isinstance(module, TitansQwenForCausalLM) and hasattr(module, "persistent_tokens"):
             init.normal_(module.persistent_tokens, std=std)
         else:
@@ -164,16 +122,11 @@ class TitansQwenPreTrainedModel(PreTrainedModel):
 
 
 class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
-    """Qwen + Titans memory. Build one with `from_base(...)`; `from_pretrained` loads a full saved model.
+    """Qwen + Titans memory: at each layer of `memory_config.memory_layers`, a memory block of the configured
+    variant (`titans_hf.modeling.variants`) runs around the decoder layer, chunk after chunk.
 
-    Variants, at each layer in `memory_layers`:
-    - `mag`: the memory reads the layer's input in parallel with the layer; its output is added after the layer,
-      gated by the layer's output (hidden += sigmoid(gate) * W_O·read). W_O starts at zero: an untrained model
-      is exactly the base model.
-    - `mal`: the memory output is added to the residual stream before the layer (hidden += W_O·read).
-    - `mac`: every chunk starts with persistent tokens and memory tokens (learned queries read from the memory)
-      prepended at the embeddings; the layer's outputs for the chunk's tokens are written to the memory; the
-      prefix positions carry no loss.
+    Build one on a pretrained base with `from_base(...)`; load a trained memory with `from_pretrained(<memory
+    folder or Hub id>)` or `from_base_and_memory(base, memory)`.
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -181,7 +134,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
 
     def __init__(self, config: TitansQwenConfig, backbone: PreTrainedModel | None = None):
         super().__init__(config)
-        text = config.text_config
+        text, memory = config.text_config, config.memory_config
         if backbone is None:
             self.model = AutoModel.from_config(text)
             self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
@@ -192,56 +145,61 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
             for module in backbone.modules():
                 module._is_hf_initialized = True
             self.model, self.lm_head = backbone.model, backbone.lm_head
-        self.memory = nn.ModuleDict({str(layer): TitansMemoryBlock(config) for layer in config.memory_layers})
-        if config.num_persistent_tokens:
-            self.persistent_tokens = nn.Parameter(torch.zeros(config.num_persistent_tokens, text.hidden_size))
+        variant = MEMORY_VARIANTS[memory.variant]
+        self.memory = nn.ModuleDict({str(layer): variant(config) for layer in memory.memory_layers})
+        if memory.num_persistent_tokens:
+            self.persistent_tokens = nn.Parameter(torch.zeros(memory.num_persistent_tokens, text.hidden_size))
         self._memory_enabled = True
         self.post_init()
         self._apply_freeze_base()
 
     def _apply_freeze_base(self) -> None:
-        if self.config.freeze_base:
+        if self.config.memory_config.freeze_base:
             self.model.requires_grad_(False)
             self.lm_head.requires_grad_(False)
 
-    @classmethod
-    def from_pretrained(cls, *args, **kwargs) -> "TitansQwenForCausalLM":
-        # loading swaps in new Parameter objects, which forget the freeze applied in __init__
-        model = super().from_pretrained(*args, **kwargs)
-        model._apply_freeze_base()
-        return model
-
-    # ---- construction and persistence ----
+    # ---- construction, loading, saving ----
 
     @classmethod
     def from_base(
         cls,
-        base_id_or_path: str | os.PathLike,
+        base: str | os.PathLike | PreTrainedModel,
+        memory_config: TitansMemoryConfig | None = None,
+        *,
+        revision: str | None = None,
         dtype: torch.dtype | str | None = None,
         attn_implementation: str | None = None,
-        load_kwargs: dict | None = None,
-        **memory_settings,
+        load_kwargs: dict[str, Any] | None = None,
+        **memory_settings: Any,
     ) -> "TitansQwenForCausalLM":
-        """Wrap a pretrained Qwen2/Qwen3 (hub id or local folder); its weights and keys stay as loaded.
+        """Wrap a pretrained Qwen2/Qwen3 (Hub id, local folder, or a loaded model) with a new memory; the base's
+        weights and keys stay as loaded.
 
-        `memory_settings` are TitansQwenConfig fields (chunk_size, memory_layers, variant, ...); `load_kwargs` go to
-        the backbone's `from_pretrained` (revision, token, device_map, ...).
+        The memory's settings come from `memory_config` and/or `memory_settings` (TitansMemoryConfig fields:
+        chunk_size, memory_layers, variant, ...). `revision`, `dtype`, `attn_implementation` and `load_kwargs`
+        (token, device_map, ...) go to the base's `from_pretrained`, which never runs code from the base's
+        repository (`trust_remote_code=False`).
         """
-        unknown = sorted(set(memory_settings) - set(MEMORY_SETTING_NAMES))
+        unknown = sorted(set(memory_settings) - set(TitansMemoryConfig.setting_names()))
         if unknown:
-            raise ValueError(f"from_base: unknown memory settings {unknown}; valid: {list(MEMORY_SETTING_NAMES)}")
-        load_kwargs = dict(load_kwargs or {})
-        if dtype is not None:
-            load_kwargs["dtype"] = dtype
-        if attn_implementation is not None:
-            load_kwargs["attn_implementation"] = attn_implementation
-        backbone = AutoModelForCausalLM.from_pretrained(base_id_or_path, **load_kwargs)
+            raise ValueError(f"from_base: unknown memory settings {unknown}; valid: "
+                             f"{list(TitansMemoryConfig.setting_names())}")
+        if isinstance(base, PreTrainedModel):
+            backbone, name = base, base.config.name_or_path
+        else:
+            load_kwargs = {**(load_kwargs or {}), "trust_remote_code": False}
+            for key, value in (("revision", revision), ("dtype", dtype), ("attn_implementation", attn_implementation)):
+                if value is not None:
+                    load_kwargs[key] = value
+            backbone, name = AutoModelForCausalLM.from_pretrained(base, **load_kwargs), str(base)
         if not (hasattr(backbone, "model") and hasattr(backbone, "lm_head")):
-            raise ValueError(f"from_base: {base_id_or_path} is a {type(backbone).__name__}, not a Qwen causal LM")
+            raise ValueError(f"from_base: {name} is a {type(backbone).__name__}, not a Qwen causal LM")
+        values = {**(memory_config.to_dict() if memory_config is not None else {}), **memory_settings}
+        if values.get("base_model_name_or_path") is None:
+            values.update(base_model_name_or_path=name, revision=revision)
+        memory = TitansMemoryConfig.from_dict(values, source="from_base")
         attention = backbone.config._attn_implementation
-        config = TitansQwenConfig(
-            text_config=backbone.config, base_model_name_or_path=str(base_id_or_path), **memory_settings
-        )
+        config = TitansQwenConfig(text_config=backbone.config, memory_config=memory)
         # building the config resets its sub-config's attention choice; keep the one the backbone was loaded with
         config._attn_implementation = attention
         model = cls(config, backbone=backbone)
@@ -249,100 +207,112 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         model.generation_config = backbone.generation_config
         return model
 
-    def trainable_memory_state_dict(self) -> dict[str, Tensor]:
-        """The memory's own parameters (memory layers, gates, persistent tokens) under their model names: exactly
-        what `save_memory` writes. The backbone is never part of it."""
-        return {
-            name: param.detach() for name, param in self.named_parameters() if not name.startswith(BASE_PREFIXES)
-        }
-
-    def load_memory_state_dict(self, state_dict: dict[str, Tensor], strict: bool = True) -> None:
-        own = self.trainable_memory_state_dict()
-        missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
-        if strict and (missing or unexpected):
-            raise ValueError(f"memory state dict does not fit this model: missing {missing}, unexpected {unexpected}")
-        with torch.no_grad():
-            for name, value in state_dict.items():
-                if name not in own:
-                    continue
-                if tuple(value.shape) != tuple(own[name].shape):
-                    raise ValueError(
-                        f"memory state dict: {name} has shape {tuple(value.shape)}, the model expects "
-                        f"{tuple(own[name].shape)} (memory settings differ)"
-                    )
-                own[name].copy_(value)
-
-    def memory_config_dict(self) -> dict:
-        from titans_hf import __version__
-
-        return {
-            "base_model_name_or_path": self.config.base_model_name_or_path,
-            "model_type": self.config.model_type,
-            "titans_hf_version": __version__,
-            "memory_settings": self.config.memory_settings(),
-            "base_shape": self.config.base_shape(),
-        }
-
-    def save_memory(self, save_directory: str | os.PathLike) -> Path:
-        """Write only the memory weights (`memory_model.safetensors`) and `memory_config.json` naming the base.
-
-        Each file is written under a temporary name and renamed, so a folder never looks complete half-written.
-        """
-        folder = Path(save_directory)
-        folder.mkdir(parents=True, exist_ok=True)
-        tensors = {name: value.to("cpu").contiguous().clone() for name, value in self.trainable_memory_state_dict().items()}
-        weights_tmp = folder / f".{MEMORY_WEIGHTS_NAME}.tmp"
-        save_file(tensors, str(weights_tmp), metadata={"format": "pt"})
-        config_tmp = folder / f".{MEMORY_CONFIG_NAME}.tmp"
-        config_tmp.write_text(json.dumps(self.memory_config_dict(), indent=2, sort_keys=True) + "\n")
-        # the weights go last: their presence means the folder is complete
-        os.replace(config_tmp, folder / MEMORY_CONFIG_NAME)
-        os.replace(weights_tmp, folder / MEMORY_WEIGHTS_NAME)
-        return folder
-
     @classmethod
     def from_base_and_memory(
-        cls, base_id_or_path: str | os.PathLike, memory_dir: str | os.PathLike, **from_base_kwargs
+        cls,
+        base: str | os.PathLike | PreTrainedModel | None,
+        memory: str | os.PathLike,
+        revision: str | None = None,
+        *,
+        base_revision: str | None = None,
+        token: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        local_files_only: bool = False,
+        dtype: torch.dtype | str | None = None,
+        attn_implementation: str | None = None,
+        **load_kwargs: Any,
     ) -> "TitansQwenForCausalLM":
-        """Rebuild a model saved with `save_memory` on top of its base; refuses a base of another shape."""
-        folder = Path(memory_dir)
-        config_path, weights_path = folder / MEMORY_CONFIG_NAME, folder / MEMORY_WEIGHTS_NAME
-        for path in (config_path, weights_path):
-            if not path.is_file():
-                raise FileNotFoundError(f"{path}: not found (a memory folder holds {MEMORY_CONFIG_NAME} and "
-                                        f"{MEMORY_WEIGHTS_NAME}, written by save_memory)")
+        """Put a trained memory (a folder written by `save_pretrained`, or a Hub repository at `revision`) on a base:
+        a Hub id, a folder, a loaded model, or None for the base the memory names (at the revision it names, unless
+        `base_revision` is given). A base of another shape is refused before its weights load. Downloads go
+        through `huggingface_hub` (cached; with HF_HUB_OFFLINE=1 only the cache is read); `load_kwargs` go to the
+        base's `from_pretrained`."""
+        hub = {"token": token, "cache_dir": cache_dir, "local_files_only": local_files_only}
+        memory_config, weights = load_memory_folder(memory, revision=revision, **hub)
+        if base is None:
+            base = memory_config.base_model_name_or_path
+            if not base:
+                raise ValueError(f"{memory}: its memory config names no base model; pass the base explicitly")
+        base_revision = base_revision if base_revision is not None else memory_config.revision
+        if isinstance(base, PreTrainedModel):
+            text = base.config
+        else:
+            text = AutoConfig.from_pretrained(base, revision=base_revision, trust_remote_code=False, **hub)
         try:
-            saved = json.loads(config_path.read_text())
-            settings, expected_shape = saved["memory_settings"], saved["base_shape"]
-        except (json.JSONDecodeError, KeyError, TypeError) as error:
-            raise ValueError(f"{config_path}: not a memory config ({error!r})") from error
-        text = AutoConfig.from_pretrained(base_id_or_path, **from_base_kwargs.get("load_kwargs", {}))
-        actual_shape = {key: getattr(text, key, None) for key in expected_shape}
-        if actual_shape != expected_shape:
-            differences = {k: (expected_shape[k], actual_shape[k]) for k in expected_shape
-                           if expected_shape[k] != actual_shape[k]}
-            raise ValueError(
-                f"{config_path}: memory was trained on a base of shape {expected_shape}, but {base_id_or_path} has "
-                f"{actual_shape} (saved vs actual: {differences})"
-            )
-        model = cls.from_base(base_id_or_path, **from_base_kwargs, **settings)
-        model.load_memory_state_dict(load_file(str(weights_path)))
+            memory_config.for_base(text)
+        except ValueError as error:
+            raise ValueError(f"{memory}: {error}") from error
+        model = cls.from_base(base, memory_config, revision=base_revision, dtype=dtype,
+                              attn_implementation=attn_implementation, load_kwargs={**load_kwargs, **hub})
+        model.load_memory_state_dict(weights, source=str(memory))
         return model
 
-    def push_memory_to_hub(self, repo_id: str, **kwargs) -> str:
-        """Save the memory into a temporary folder and upload it with its model card (see `titans_hf.hub`)."""
-        import tempfile
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *args: Any,
+                        **kwargs: Any) -> "TitansQwenForCausalLM":
+        """A memory folder or Hub repository (its `memory_config.json` names the base, which is loaded first; see
+        `from_base_and_memory` for the keyword arguments), or a full model saved with `save_full_model=True`."""
+        hub = {key: kwargs[key] for key in HUB_KWARGS if key in kwargs}
+        if not args and is_memory(pretrained_model_name_or_path, revision=kwargs.get("revision"), **hub):
+            return cls.from_base_and_memory(None, pretrained_model_name_or_path, **kwargs)
+        # loading swaps in new Parameter objects, which forget the freeze applied in __init__
+        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        model._apply_freeze_base()
+        return model
 
-        from titans_hf.hub import push_memory_folder
+    def memory_state_dict(self) -> dict[str, Tensor]:
+        """The memory's own parameters (memory layers, gates, persistent tokens) under their model names: exactly
+        what `save_pretrained` writes. The base is never part of it."""
+        return {name: param.detach() for name, param in self.named_parameters() if not name.startswith(BASE_PREFIXES)}
 
+    def load_memory_state_dict(self, state_dict: dict[str, Tensor], source: str = "memory state dict") -> None:
+        """Copy memory weights in; names, shapes and a floating dtype must match (a ValueError naming `source`)."""
+        own = self.memory_state_dict()
+        missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
+        if missing or unexpected:
+            raise ValueError(f"{source}: the memory weights do not fit this model's memory settings: missing "
+                             f"{missing[:5]}, unexpected {unexpected[:5]}")
+        for name, value in state_dict.items():
+            if tuple(value.shape) != tuple(own[name].shape) or not value.is_floating_point():
+                raise ValueError(f"{source}: {name} is {value.dtype} {tuple(value.shape)}, the model expects a "
+                                 f"floating tensor of shape {tuple(own[name].shape)}")
+        with torch.no_grad():
+            for name, value in state_dict.items():
+                own[name].copy_(value)
+
+    def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, save_full_model: bool = False,
+                        **kwargs: Any) -> None:
+        """With a frozen base: the memory alone (`memory_config.json` + `memory_model.safetensors`), the way PEFT
+        saves an adapter. `save_full_model=True` (or a base that trains too) saves the whole model as any
+        `PreTrainedModel` does."""
+        if save_full_model or not self.config.memory_config.freeze_base:
+            super().save_pretrained(save_directory, *args, **kwargs)
+            return
+        save_memory_folder(save_directory, self.config.memory_config, self.memory_state_dict())
+
+    def save_memory(self, save_directory: str | os.PathLike) -> Path:
+        """The memory alone, whatever `freeze_base` says."""
+        return save_memory_folder(save_directory, self.config.memory_config, self.memory_state_dict())
+
+    def push_to_hub(self, repo_id: str, *args: Any, push_full_model: bool = False, token: str | None = None,
+                    private: bool | None = None, commit_message: str | None = None, results: dict | None = None,
+                    datasets: list[str] | None = None, base_model: str | None = None,
+                    base_revision: str | None = None, **kwargs: Any) -> str:
+        """Upload the memory with its model card (see `titans_hf.hub.push_memory_folder`); `push_full_model=True`
+        uploads the whole model the way `PreTrainedModel.push_to_hub` does. Returns the commit URL."""
+        if push_full_model:
+            return super().push_to_hub(repo_id, *args, token=token, private=private, commit_message=commit_message,
+                                       **kwargs)
         with tempfile.TemporaryDirectory() as folder:
             self.save_memory(folder)
-            return push_memory_folder(folder, repo_id, **kwargs)
+            return push_memory_folder(folder, repo_id, token=token, private=bool(private),
+                                      commit_message=commit_message, results=results, datasets=datasets,
+                                      base_model=base_model, revision=base_revision)
 
     @contextlib.contextmanager
     def memory_disabled(self) -> Iterator["TitansQwenForCausalLM"]:
-        """The ablation: the model runs as its frozen base does, chunk by chunk. Memory reads are skipped (the same
-        as zero reads, and cheaper), and `mac` puts neither persistent nor memory tokens in front of the chunks."""
+        """The ablation: the model runs as its frozen base does, chunk by chunk. Memory blocks are skipped (the
+        same as zero reads, and cheaper), and nothing is put in front of the chunks."""
         previous = self._memory_enabled
         self._memory_enabled = False
         try:
@@ -365,6 +335,32 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
             masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
         return masks
 
+    def _chunk_prefix(self, states: dict[int, MemoryState], batch_size: int) -> Tensor | None:
+        """What goes in front of a chunk: persistent tokens, then each memory block's prefix tokens (or None)."""
+        parts = [self.persistent_tokens.unsqueeze(0).expand(batch_size, -1, -1)] if hasattr(
+            self, "persistent_tokens") else []
+        for layer, block in self.memory.items():
+            tokens = block.prefix_tokens(states[int(layer)], batch_size)
+            if tokens is not None:
+                parts.append(tokens)
+        return torch.cat(parts, dim=1) if parts else None
+
+    def _chunk_attention_mask(self, mask: Tensor | None, cache: TitansCache | None, batch_size: int, length: int,
+                              device: torch.device) -> tuple[Tensor | None, int]:
+        """(2-D attention mask over the current chunk's keys, number of keys already in the cache). With a cache
+        the mask grows with the chunk's keys, so a decoding step sees its chunk's padding too."""
+        if cache is None:
+            return mask, 0
+        past = cache.get_query_offset()
+        if mask is None and cache.chunk_attention_mask is None:
+            return None, past
+        full = mask if mask is not None else torch.ones(batch_size, length, dtype=torch.long, device=device)
+        previous = cache.chunk_attention_mask
+        if previous is None and past:
+            previous = full.new_ones(batch_size, past)
+        cache.chunk_attention_mask = full if previous is None else torch.cat([previous, full], dim=1)
+        return cache.chunk_attention_mask, past
+
     def _forward_piece(
         self,
         input_ids: Tensor,
@@ -376,38 +372,20 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         keep_from: int,
         enabled: bool,
     ) -> tuple[Tensor | None, Tensor | None, dict[int, MemoryState]]:
-        """Run tokens that lie inside one chunk. Returns (logits of positions >= keep_from or None, summed loss over
-        labelled positions or None, new memory states). Kept separate so it can be checkpointed as one unit; hence
-        `enabled` is an argument: the recomputation in backward may run after `memory_disabled()` has exited."""
+        """Run tokens that lie inside one chunk through the base's own layers, each memory block around its layer.
+        Returns (logits of positions >= keep_from or None, summed loss over labelled positions or None, new memory
+        states). Kept separate so it can be checkpointed as one unit; hence `enabled` is an argument: the
+        recomputation in backward may run after `memory_disabled()` has exited."""
         batch_size, length = input_ids.shape
-        variant = self.config.variant
         hidden = self.model.embed_tokens(input_ids)
-        num_prefix = 0
-        new_mask = token_mask
-        if variant == "mac" and starts_chunk and enabled:  # memory off: no prefix, the chunk as the base sees it
-            parts = [self.persistent_tokens.unsqueeze(0).expand(batch_size, -1, -1)] if hasattr(
-                self, "persistent_tokens") else []
-            parts += [block.memory_tokens(states[int(layer)], batch_size)
-                      for layer, block in self.memory.items()]
-            prefix = torch.cat(parts, dim=1).to(hidden.dtype)
+        prefix = self._chunk_prefix(states, batch_size) if starts_chunk and enabled else None
+        num_prefix, mask = 0, token_mask
+        if prefix is not None:
             num_prefix = prefix.shape[1]
-            hidden = torch.cat([prefix, hidden], dim=1)
+            hidden = torch.cat([prefix.to(hidden.dtype), hidden], dim=1)
             if token_mask is not None:
-                new_mask = torch.cat([token_mask.new_ones(batch_size, num_prefix), token_mask], dim=1)
-        past = 0
-        attention_mask = new_mask
-        if cache is not None:
-            past = cache.get_query_offset()
-            if new_mask is None and cache.chunk_attention_mask is None:
-                attention_mask = None
-            else:
-                full = new_mask if new_mask is not None else torch.ones(
-                    batch_size, hidden.shape[1], dtype=torch.long, device=hidden.device)
-                previous = cache.chunk_attention_mask
-                if previous is None and past:
-                    previous = full.new_ones(batch_size, past)
-                attention_mask = full if previous is None else torch.cat([previous, full], dim=1)
-                cache.chunk_attention_mask = attention_mask
+                mask = torch.cat([token_mask.new_ones(batch_size, num_prefix), token_mask], dim=1)
+        attention_mask, past = self._chunk_attention_mask(mask, cache, batch_size, hidden.shape[1], hidden.device)
         position_ids = torch.arange(past, past + hidden.shape[1], device=hidden.device).unsqueeze(0)
         masks = self._attention_masks(hidden, attention_mask, cache, position_ids)
         position_embeddings = self.model.rotary_emb(hidden, position_ids)
@@ -415,25 +393,14 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         new_states = dict(states)
         layer_types = self.config.text_config.layer_types
         for index, decoder_layer in enumerate(self.model.layers):
-            block = self.memory[str(index)] if str(index) in self.memory else None
-            read = None
-            if block is not None and enabled and variant in ("mag", "mal"):
-                read, new_states[index] = block.neural_memory(hidden, states[index], token_mask)
-                if variant == "mal":
-                    hidden = hidden + block.project(read, hidden)
-            output = decoder_layer(
-                hidden,
-                attention_mask=masks[layer_types[index]],
-                position_embeddings=position_embeddings,
-                position_ids=position_ids,
-                cache=cache,
-                use_cache=cache is not None,
-            )
-            if read is not None and variant == "mag":
-                output = block.gated(output, read)
-            if block is not None and enabled and variant == "mac":
-                _, new_states[index] = block.neural_memory(output[:, num_prefix:], states[index], token_mask)
-            hidden = output
+            layer = functools.partial(decoder_layer, attention_mask=masks[layer_types[index]],
+                                      position_embeddings=position_embeddings, position_ids=position_ids,
+                                      cache=cache, use_cache=cache is not None)
+            block = self.memory[str(index)] if enabled and str(index) in self.memory else None
+            if block is None:
+                hidden = layer(hidden)
+            else:
+                hidden, new_states[index] = block(layer, hidden, states[index], token_mask, num_prefix)
         hidden = self.model.norm(hidden[:, num_prefix:])
 
         logits = loss_sum = None
@@ -493,11 +460,12 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         else:
             states = self.init_memory_states(batch_size, input_ids.device)
         seen = cache.seen_tokens if cache is not None else 0
-        chunk_size, bptt = self.config.chunk_size, self.config.bptt_chunks
+        memory = self.config.memory_config
+        chunk_size, bptt = memory.chunk_size, memory.bptt_chunks
         keep_start = 0 if logits_to_keep == 0 else max(0, length - logits_to_keep)
         if labels is not None and logits_to_keep == 0:
             keep_start = length
-        use_checkpoint = (self.config.checkpoint_chunks and self.training and torch.is_grad_enabled()
+        use_checkpoint = (memory.checkpoint_chunks and self.training and torch.is_grad_enabled()
                           and cache is None)
 
         all_logits, loss_sum, start = [], None, 0
@@ -563,4 +531,4 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         model_kwargs["cache"] = TitansCache(self.config)
 
 
-__all__ = ["TitansQwenForCausalLM", "TitansQwenPreTrainedModel", "TitansCache", "TitansMemoryBlock"]
+__all__ = ["TitansQwenForCausalLM", "TitansQwenPreTrainedModel", "TitansCache"]

@@ -1,5 +1,7 @@
-"""Training the memory: `TitansTrainer` (a transformers Trainer) and the BABILong recipe behind `titans-hf train`."""
+"""Training the memory: `TitansTrainer` (a transformers Trainer), its arguments, and the BABILong recipe behind
+`titans-hf train`."""
 
-from .trainer import ChunkCurriculumSampler, TitansTrainer, TitansTrainingArguments
+from .trainer import TitansTrainer
+from .training_args import TitansTrainingArguments
 
-__all__ = ["ChunkCurriculumSampler", "TitansTrainer", "TitansTrainingArguments"]
+__all__ = ["TitansTrainer", "TitansTrainingArguments"]

@@ -7,7 +7,7 @@ in `outputs/qwen_titans_babilong`, a final memory checkpoint). Single process, o
     accelerate launch --config_file titans_hf/accelerate/fsdp.yaml scripts/train_babilong.py \\
         --model_name_or_path Qwen/Qwen2.5-0.5B --data_files babilong/qa1/32k.json --bf16
 
-(`accelerate launch -m titans_hf.training.train_babilong` when the package is installed without the repo.)
+(`accelerate launch -m titans_hf.commands.train` when the package is installed without the repo.)
 
 Length curriculum, the way RMT/ARMT learned BABILong: give rows of several lengths and the chunk
 counts of the stages, e.g. `--data_files qa1/4k.json qa1/8k.json qa1/16k.json qa1/32k.json
@@ -18,54 +18,48 @@ left unpadded and each batch is padded to a multiple of `chunk_size` (see ChunkC
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import sys
 from dataclasses import dataclass, field
 
 import datasets
 import torch
-from transformers import AutoTokenizer, HfArgumentParser, TrainerCallback, set_seed
+from transformers import AutoTokenizer, TrainerCallback, set_seed
 
 from titans_hf.data.babilong_builder import build_babilong
+from titans_hf.hub import TitansMemoryConfig
 from titans_hf.modeling import TitansQwenForCausalLM
-from titans_hf.training.trainer import TitansTrainer, TitansTrainingArguments
+
+from .trainer import TitansTrainer
+from .training_args import TitansTrainingArguments
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class ModelArguments:
-    """The base model and the memory settings; None leaves a setting at TitansQwenConfig's default."""
+    """The base model to put a memory on."""
 
-    model_name_or_path: str = field(metadata={"help": "Base Qwen2/Qwen3: hub id or local folder."})
+    model_name_or_path: str = field(metadata={"help": "Base Qwen2/Qwen3: Hub id or local folder."})
+    model_revision: str | None = field(default=None, metadata={"help": "Revision of a base on the Hub."})
     dtype: str | None = field(
         default=None, metadata={"help": "dtype the base is loaded in (e.g. bfloat16); default: the checkpoint's."}
     )
     attn_implementation: str | None = field(default=None, metadata={"help": "e.g. sdpa, flash_attention_2."})
-    chunk_size: int | None = field(default=4096, metadata={"help": "Attention segment in tokens."})
-    memory_layers: list[int] | None = field(default=None, metadata={"help": "Decoder layers that get a memory."})
-    variant: str | None = field(default=None, metadata={"help": "mag, mac or mal."})
-    memory_num_heads: int | None = field(default=None)
-    memory_head_dim: int | None = field(default=None)
-    memory_depth: int | None = field(default=None)
-    memory_expansion: int | None = field(default=None)
-    conv_kernel: int | None = field(default=None)
-    conv_init: str | None = field(default=None, metadata={"help": "window (default) or identity q/k conv start."})
-    memory_chunk_size: int | None = field(default=None, metadata={"help": "Tokens per memory update."})
-    memory_batch_size: int | None = field(default=None)
-    max_lr: float | None = field(default=None)
-    num_memory_tokens: int | None = field(default=None)
-    num_persistent_tokens: int | None = field(default=None)
-    bptt_chunks: int | None = field(default=None)
-    checkpoint_chunks: bool | None = field(default=None, metadata={"help": "Recompute each chunk in backward."})
 
-    def memory_settings(self) -> dict:
-        excluded = {"model_name_or_path", "dtype", "attn_implementation"}
-        return {
-            name: value
-            for name, value in vars(self).items()
-            if name not in excluded and value is not None
-        }
+
+def _memory_arguments() -> type:
+    """The memory's flags: every TitansMemoryConfig setting, with its default and help (one source)."""
+    settings = set(TitansMemoryConfig.setting_names())
+    return dataclasses.make_dataclass(
+        "MemoryArguments",
+        [(f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata))
+         for f in dataclasses.fields(TitansMemoryConfig) if f.name in settings],
+        namespace={"__doc__": "The memory's settings (TitansMemoryConfig fields).", "__module__": __name__},
+    )
+
+
+MemoryArguments = _memory_arguments()
 
 
 @dataclass
@@ -151,6 +145,7 @@ def load_babilong_splits(
 
 def train_babilong(
     model_args: ModelArguments,
+    memory_args: MemoryArguments,
     data_args: DataArguments,
     training_args: TitansTrainingArguments,
     callbacks: list[TrainerCallback] | None = None,
@@ -169,9 +164,10 @@ def train_babilong(
     dtype = model_args.dtype if model_args.dtype in (None, "auto") else getattr(torch, model_args.dtype)
     model = TitansQwenForCausalLM.from_base(
         model_args.model_name_or_path,
+        TitansMemoryConfig(**dataclasses.asdict(memory_args)),
+        revision=model_args.model_revision,
         dtype=dtype,
         attn_implementation=model_args.attn_implementation,
-        **model_args.memory_settings(),
     )
     trainer = TitansTrainer(
         model=model,
@@ -185,28 +181,3 @@ def train_babilong(
     trainer.train(resume_from_checkpoint=True if resume == "last" else resume)
     trainer.save_model()
     return trainer
-
-
-def parse_arguments(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, BabilongTrainingArguments]:
-    """Command-line flags, or a single .json / .yaml file holding them."""
-    parser = HfArgumentParser((ModelArguments, DataArguments, BabilongTrainingArguments))
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) == 1 and argv[0].endswith(".json"):
-        return parser.parse_json_file(argv[0])
-    if len(argv) == 1 and argv[0].endswith((".yaml", ".yml")):
-        return parser.parse_yaml_file(argv[0])
-    return parser.parse_args_into_dataclasses(args=argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    model_args, data_args, training_args = parse_arguments(argv)
-    logging.basicConfig(
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        level=logging.INFO if training_args.process_index == 0 else logging.WARNING,
-    )
-    train_babilong(model_args, data_args, training_args)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,23 +1,18 @@
-"""BABILong: an offline bAbI-in-a-haystack generator, the JSON format, example assembly and scoring.
+"""An offline BABILong generator: bAbI stories (QA1 single supporting fact, QA2 two, QA3 three) in a haystack.
 
-The public BABILong files cannot be downloaded here and only come at a few lengths, so the same
-kind of data is generated locally: a bAbI story (QA1 single supporting fact, QA2 two, QA3 three)
-whose facts are scattered, in story order, over the sentence gaps of a haystack sized in tokens
-of the tokenizer that will read it. Rows are plain ``{"input", "question", "target"}`` dicts, the
-public format, so generated and public files go through the same reader and the same assembly.
+A story's facts are scattered, in story order, over the sentence gaps of a haystack sized in tokens of the
+tokenizer that will read it: contiguous text of the user's files, or built-in distractor prose that never names a
+task word. Rows are plain ``{"input", "question", "target"}`` dicts, the public format, so generated and published
+rows go through the same reader and the same example assembly.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import re
-import tempfile
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
-import torch
 from tqdm.auto import tqdm
 
 ACTORS = ["John", "Mary", "Sandra", "Daniel"]
@@ -27,12 +22,9 @@ MOVE_VERBS = ["moved to", "went to", "journeyed to", "travelled to", "went back 
 PICK_VERBS = ["picked up", "got", "grabbed", "took"]
 DROP_VERBS = ["dropped", "discarded", "put down", "left"]
 
-TASK_LABELS: dict[str, list[str]] = {"qa1": list(LOCATIONS), "qa2": list(LOCATIONS), "qa3": list(LOCATIONS)}
-# Fewest facts a valid story can have: QA3 needs a move, a pick-up and a second move.
+# Fewest and most facts of a story, per task the generator writes: QA3 needs a move, a pick-up and a second move.
 STORY_FACTS: dict[str, tuple[int, int]] = {"qa1": (2, 10), "qa2": (2, 10), "qa3": (3, 10)}
-
-PROMPT_TEMPLATE = "{input}\n\nQuestion: {question}\nAnswer:"
-REQUIRED_FIELDS = ("input", "question", "target")
+GENERATED_TASKS = tuple(STORY_FACTS)
 
 _TASK_WORDS = re.compile(r"\b(" + "|".join(ACTORS + LOCATIONS + OBJECTS) + r")\b", re.IGNORECASE)
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|(?<=[.!?][\"'\u2019\u201d])\s+")
@@ -42,7 +34,7 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|(?<=[.!?][\"'\u2019\u201d])\s+")
 # bAbI stories
 
 
-class _World:
+class World:
     """The bAbI world state: where each actor is, who holds what, every place each object has been."""
 
     def __init__(self) -> None:
@@ -80,15 +72,15 @@ def _story(task: str, rng: random.Random) -> tuple[list[str], str, str]:
     low, high = STORY_FACTS[task]
     while True:  # rejection sampling: cheap, and keeps every valid story reachable
         num_facts = rng.randint(low, high)
-        world, facts = _World(), []
+        world, facts = World(), []
         for _ in range(num_facts):
-            facts.append(_random_fact(task, world, rng))
-        question = _random_question(task, world, rng)
+            facts.append(random_fact(task, world, rng))
+        question = random_question(task, world, rng)
         if question is not None:
             return facts, question[0], question[1]
 
 
-def _random_fact(task: str, world: _World, rng: random.Random) -> str:
+def random_fact(task: str, world: World, rng: random.Random) -> str:
     picks = [(a, o) for a in ACTORS for o in OBJECTS if world.can_pick(a, o)] if task != "qa1" else []
     drops = [(a, o) for o, a in world.holder.items() if a is not None]
     roll = rng.random()
@@ -114,7 +106,7 @@ def _all_facts(task: str) -> list[str]:
     return facts
 
 
-def _random_question(task: str, world: _World, rng: random.Random) -> tuple[str, str] | None:
+def random_question(task: str, world: World, rng: random.Random) -> tuple[str, str] | None:
     """(question, answer) about the final world, or None when the story cannot support one."""
     if task == "qa1":
         actor = rng.choice(sorted(world.actor_location))
@@ -307,8 +299,8 @@ def iter_babilong_batches(
     The haystack (read and token-counted once) is shared by all batches: it costs more than
     hundreds of short rows.
     """
-    if task not in TASK_LABELS:
-        raise ValueError(f"task={task!r} is not one of {sorted(TASK_LABELS)}")
+    if task not in STORY_FACTS:
+        raise ValueError(f"task={task!r}: the generator writes {list(GENERATED_TASKS)}")
     if not tokenizer.is_fast:
         raise ValueError("generate_babilong needs a fast (Rust) tokenizer to count tokens quickly")
     if num_samples < 1:
@@ -415,236 +407,3 @@ def _trim_to_length(rows: list[dict], pieces_per_row: list[list], tokenizer, len
             rows[i]["input"] = " ".join(text for text, _ in pieces)
             too_long.append(i)
         pending = too_long
-
-
-# ----------------------------------------------------------------------------------------------
-# BABILong JSON
-
-
-def read_babilong_json(path: str | Path) -> list[dict[str, str]]:
-    """Rows of a BABILong file: a JSON list (the public files) or JSON Lines.
-
-    Extra fields of the public files are dropped; a row missing a field, with a non-string
-    field or an empty target is an error naming the file and row, never silently skipped.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"BABILong file {path} does not exist")
-    text = path.read_text(encoding="utf-8")
-    try:
-        if text.lstrip().startswith("["):
-            records = json.loads(text)
-        else:
-            records = [json.loads(line) for line in text.splitlines() if line.strip()]
-    except json.JSONDecodeError as error:
-        raise ValueError(f"BABILong file {path} is not valid JSON or JSON Lines: {error}") from error
-    rows = []
-    for index, record in enumerate(records):
-        where = f"BABILong file {path}, row {index} (0-based)"
-        if not isinstance(record, dict):
-            raise ValueError(f"{where}: expected an object with {list(REQUIRED_FIELDS)}, got {type(record).__name__}")
-        missing = [field for field in REQUIRED_FIELDS if field not in record]
-        if missing:
-            raise ValueError(f"{where}: missing field(s) {missing}")
-        wrong = [field for field in REQUIRED_FIELDS if not isinstance(record[field], str)]
-        if wrong:
-            raise ValueError(f"{where}: field(s) {wrong} must be strings")
-        if not record["target"].strip():
-            raise ValueError(f"{where}: empty target")
-        rows.append({field: record[field] for field in REQUIRED_FIELDS})
-    if not rows:
-        raise ValueError(f"BABILong file {path} holds no rows")
-    return rows
-
-
-def write_babilong_json(rows: Sequence[dict[str, str]], path: str | Path) -> Path:
-    """Write rows as a JSON list (the public layout) through a temporary name, so a partial file never looks done."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    payload = [{field: row[field] for field in REQUIRED_FIELDS} for row in rows]
-    _atomic_write_text(path, json.dumps(payload, ensure_ascii=False, indent=1))
-    return path
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as file:
-            file.write(text)
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
-
-
-DATASET_CARD_TEMPLATE = Path(__file__).resolve().parent.parent / "hub_cards" / "babilong_dataset_card.md"
-
-
-def render_dataset_card(settings: dict[str, Any]) -> str:
-    """The dataset card of a generated set: how to regenerate it and what its rows mean.
-
-    ``settings`` holds task, length, num_samples, seed, tokenizer, haystack_files (list) and files.
-    """
-    from huggingface_hub import DatasetCard, DatasetCardData
-
-    card_data = DatasetCardData(
-        language="en", license="apache-2.0", pretty_name=f"Generated BABILong {settings['task']}",
-        task_categories=["question-answering"], tags=["babilong", "long-context", "titans_hf", "synthetic"],
-    )
-    card = DatasetCard.from_template(card_data, template_path=str(DATASET_CARD_TEMPLATE), **settings)
-    return str(card)
-
-
-def write_dataset_card(json_path: str | Path, settings: dict[str, Any]) -> Path:
-    """Render the card as README.md in the folder of a generated JSON file (temporary name, then rename)."""
-    card_path = Path(json_path).parent / "README.md"
-    _atomic_write_text(card_path, render_dataset_card(settings))
-    return card_path
-
-
-# ----------------------------------------------------------------------------------------------
-# Example assembly, split, scoring
-
-
-def resolve_pad_token_id(tokenizer) -> int:
-    """Pad id, falling back to EOS as the seed pipeline does for tokenizers without a pad token."""
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if pad_id is None:
-        raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has neither a pad nor an EOS token")
-    return pad_id
-
-
-def build_example(
-    row: dict[str, str],
-    tokenizer,
-    max_length: int,
-    answer_reserve_tokens: int,
-    pad_to_max_length: bool = True,
-) -> dict[str, Any]:
-    """Tokenise one row for training: prompt, then the answer as the only labelled tokens.
-
-    The prompt is cut to ``max_length - answer_reserve_tokens`` by dropping the *start* of the
-    haystack: the question and "Answer:" always survive, and the latest facts (those that decide
-    a "where is" answer) stay. Rows are right-padded to exactly ``max_length`` so every rank runs
-    the same number of chunks; ``pad_to_max_length=False`` leaves them unpadded for a collator that
-    pads to a multiple of the chunk size (length curricula).
-    """
-    if not tokenizer.is_fast:
-        raise ValueError("build_example needs a fast tokenizer (it locates the question by character offsets)")
-    if not 1 <= answer_reserve_tokens < max_length:
-        raise ValueError(
-            f"answer_reserve_tokens={answer_reserve_tokens} must be >= 1 and below max_length={max_length}"
-        )
-    prompt = PROMPT_TEMPLATE.format(input=row["input"], question=row["question"])
-    backend = tokenizer.backend_tokenizer
-    encoding = backend.encode(prompt, add_special_tokens=True)
-    ids, special = encoding.ids, encoding.special_tokens_mask
-    num_prefix = next((i for i, is_special in enumerate(special) if not is_special), len(ids))
-    # The first token touching the text after `input` starts the tail that must survive.
-    tail_start = None
-    for char in range(len(row["input"]), len(prompt)):
-        tail_start = encoding.char_to_token(char)
-        if tail_start is not None:
-            break
-    prompt_budget = max_length - answer_reserve_tokens
-    keep = prompt_budget - num_prefix - (len(ids) - tail_start)
-    if keep < 0:
-        raise ValueError(
-            f"question {row['question']!r} needs {len(ids) - tail_start + num_prefix} tokens, more than "
-            f"max_length - answer_reserve_tokens = {prompt_budget}"
-        )
-    if tail_start - num_prefix > keep:
-        ids = ids[:num_prefix] + ids[tail_start - keep : tail_start] + ids[tail_start:]
-    answer_ids = backend.encode(" " + row["target"], add_special_tokens=False).ids
-    answer_ids = answer_ids[: max_length - len(ids)]
-    prompt_length = len(ids)
-    input_ids = ids + answer_ids
-    labels = [-100] * prompt_length + answer_ids
-    attention_mask = [1] * len(input_ids)
-    if pad_to_max_length:
-        padding = max_length - len(input_ids)
-        input_ids = input_ids + [resolve_pad_token_id(tokenizer)] * padding
-        labels = labels + [-100] * padding
-        attention_mask = attention_mask + [0] * padding
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "labels": labels,
-        "target": row["target"],
-        "prompt_length": prompt_length,
-    }
-
-
-def train_eval_split(num_rows: int, train_ratio: float = 0.9, seed: int = 0) -> tuple[list[int], list[int]]:
-    """Row indices of a seeded train/eval split, as ``torch.utils.data.random_split`` draws it."""
-    if not 0 < train_ratio < 1:
-        raise ValueError(f"train_ratio={train_ratio} must lie strictly between 0 and 1")
-    train_size = int(num_rows * train_ratio)
-    if train_size == 0 or train_size == num_rows:
-        raise ValueError(f"train_ratio={train_ratio} of {num_rows} rows leaves an empty train or eval split")
-    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed)).tolist()
-    return order[:train_size], order[train_size:]
-
-
-def _first_word(text: str) -> str:
-    words = text.strip().split()
-    return words[0].strip(".,;:!?\"'()").lower() if words else ""
-
-
-def score_exact_match(prediction: str, target: str) -> bool:
-    """The first generated word, without punctuation and case, equals the target (fine-tuned systems' metric)."""
-    return _first_word(prediction) == target.strip().lower()
-
-
-def score_label_substring(prediction: str, target: str, labels: Sequence[str], question: str = "") -> bool:
-    """BABILong's scoring: right when the target is the only task label in the output.
-
-    Labels named in the question (QA3's "before the kitchen") are not counted, as in BABILong.
-    """
-    output, question = prediction.lower(), question.lower()
-    mentioned = {label.lower() for label in labels if label.lower() in output and label.lower() not in question}
-    return mentioned == {target.strip().lower()}
-
-
-
-# ----------------------------------------------------------------------------------------------
-# Command line: titans-hf babilong generate
-
-
-def add_babilong_parser(subcommands) -> None:
-    """``titans-hf babilong generate``: write a generated set as BABILong JSON (and optionally its card)."""
-    parser = subcommands.add_parser("babilong", help="BABILong data tools")
-    actions = parser.add_subparsers(dest="babilong_command", required=True)
-    generate = actions.add_parser(
-        "generate",
-        help="generate BABILong QA1/QA2/QA3 rows offline and write them as BABILong JSON",
-        description="Generate bAbI stories hidden in a haystack of LENGTH tokens of TOKENIZER; "
-        "the same arguments always give the same file.",
-    )
-    generate.add_argument("--task", required=True, choices=sorted(TASK_LABELS))
-    generate.add_argument("--length", required=True, type=int, help="tokens of `input` (0 = the story alone)")
-    generate.add_argument("--num-samples", required=True, type=int)
-    generate.add_argument("--tokenizer", required=True, help="tokenizer name or path that counts the length")
-    generate.add_argument("--seed", type=int, default=0)
-    generate.add_argument("--haystack", nargs="+", default=None, help="text files (e.g. PG19 books) for the haystack")
-    generate.add_argument("--output", required=True, help="JSON file to write, e.g. data/qa1/4k.json")
-    generate.add_argument("--card", action="store_true", help="also write a dataset card README.md beside it")
-    generate.set_defaults(func=_generate_command)
-
-
-def _generate_command(args) -> int:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    rows = generate_babilong(
-        args.task, args.num_samples, args.length, tokenizer, args.seed, args.haystack, show_progress=True
-    )
-    output = write_babilong_json(rows, args.output)
-    if args.card:
-        settings = {
-            "task": args.task, "length": args.length, "num_samples": args.num_samples, "seed": args.seed,
-            "tokenizer": args.tokenizer, "haystack_files": args.haystack or [], "files": output.name,
-        }
-        write_dataset_card(output, settings)
-    print(output)
-    return 0

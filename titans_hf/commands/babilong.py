@@ -1,0 +1,45 @@
+"""`titans-hf babilong generate`: write a generated BABILong set as a JSON file (and optionally its dataset card)."""
+
+from __future__ import annotations
+
+import argparse
+
+from titans_hf.tasks.babilong import GENERATED_TASKS, generate_babilong, write_babilong_json, write_dataset_card
+
+
+def register(subcommands: argparse._SubParsersAction) -> None:
+    parser = subcommands.add_parser("babilong", help="BABILong data tools")
+    actions = parser.add_subparsers(dest="babilong_command", required=True)
+    generate = actions.add_parser(
+        "generate",
+        help="generate BABILong QA1/QA2/QA3 rows offline and write them as BABILong JSON",
+        description="Generate bAbI stories hidden in a haystack of LENGTH tokens of TOKENIZER; "
+        "the same arguments always give the same file.",
+    )
+    generate.add_argument("--task", required=True, choices=GENERATED_TASKS)
+    generate.add_argument("--length", required=True, type=int, help="tokens of `input` (0 = the story alone)")
+    generate.add_argument("--num-samples", required=True, type=int)
+    generate.add_argument("--tokenizer", required=True, help="tokenizer name or path that counts the length")
+    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--haystack", nargs="+", default=None, help="text files (e.g. PG19 books) for the haystack")
+    generate.add_argument("--output", required=True, help="JSON file to write, e.g. data/qa1/4k.json")
+    generate.add_argument("--card", action="store_true", help="also write a dataset card README.md beside it")
+    generate.set_defaults(func=generate_command)
+
+
+def generate_command(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    rows = generate_babilong(
+        args.task, args.num_samples, args.length, tokenizer, args.seed, args.haystack, show_progress=True
+    )
+    output = write_babilong_json(rows, args.output)
+    if args.card:
+        settings = {
+            "task": args.task, "length": args.length, "num_samples": args.num_samples, "seed": args.seed,
+            "tokenizer": args.tokenizer, "haystack_files": args.haystack or [], "files": output.name,
+        }
+        write_dataset_card(output, settings)
+    print(output)
+    return 0

@@ -1,0 +1,102 @@
+"""`titans-hf demo`: the main job (`scripts/demo.sh`), the user's recipe run offline; prints what it measured."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from titans_hf.demo import goal_report, run_demo
+from titans_hf.evaluation import format_results_table
+from titans_hf.tasks.babilong import GENERATED_TASKS
+
+
+def register(subcommands: argparse._SubParsersAction) -> None:
+    parser = subcommands.add_parser(
+        "demo",
+        help="the main job: a stand-in (or given) Qwen, frozen, learns to use a Titans memory on BABILong",
+        description="Pretrain a stand-in Qwen (or take --model), freeze it, train a Titans memory on BABILong with "
+        "the titans-hf train code, and score it with and without the memory.",
+    )
+    parser.add_argument("--model", default=None,
+                        help="a pretrained Qwen2/Qwen3 (local folder or Hub id) used as the frozen base; skips stage a")
+    parser.add_argument("--output-dir", default="outputs/demo")
+    parser.add_argument("--task", default="qa1", choices=GENERATED_TASKS)
+    parser.add_argument("--chunk-size", type=int, default=32, help="attention segment in tokens")
+    parser.add_argument("--train-chunks", type=int, nargs="+", default=[0, 3, 4],
+                        help="input lengths trained on, in chunks (0 = bare stories)")
+    parser.add_argument("--eval-chunks", type=int, nargs="+", default=[4, 8, 16, 32],
+                        help="input lengths evaluated, in chunks")
+    parser.add_argument("--pretrain-steps", type=int, default=800, help="stage a: steps of the stand-in base")
+    parser.add_argument("--entity-share", type=float, default=0.5,
+                        help="stage a: share of the pretraining sentences about the story's people and places")
+    parser.add_argument("--num-train-samples", type=int, default=1000, help="rows per training length")
+    parser.add_argument("--num-eval-samples", type=int, default=200, help="rows per evaluation length")
+    parser.add_argument("--epochs", type=int, default=14, help="the first on one-chunk rows, the rest on all")
+    parser.add_argument("--max-steps", type=int, default=-1, help="stop stage b after this many steps (-1: the epochs)")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--variant", default=None, choices=["mag", "mal", "mac"], help="default: the config's")
+    parser.add_argument("--memory-layers", type=int, nargs="+", default=None, help="default: the config's")
+    parser.add_argument("--memory-depth", type=int, default=None, help="default: the config's")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1 measured fastest for this small model; more only adds overhead)")
+    parser.set_defaults(func=demo_command)
+
+
+def demo_command(args: argparse.Namespace) -> int:
+    logging.basicConfig(format="%(asctime)s %(message)s", level=logging.INFO, datefmt="%H:%M:%S")
+    logging.getLogger("transformers").setLevel(logging.WARNING)
+    overrides = {"variant": args.variant, "memory_layers": args.memory_layers, "memory_depth": args.memory_depth}
+    if args.variant == "mac":
+        overrides["num_memory_tokens"] = 4
+    demo = run_demo(
+        output_dir=args.output_dir,
+        model=args.model,
+        task=args.task,
+        chunk_size=args.chunk_size,
+        train_chunks=tuple(args.train_chunks),
+        eval_chunks=tuple(args.eval_chunks),
+        pretrain_steps=args.pretrain_steps,
+        entity_share=args.entity_share,
+        num_train_samples=args.num_train_samples,
+        num_eval_samples=args.num_eval_samples,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        learning_rate=args.learning_rate,
+        max_steps=args.max_steps,
+        memory_settings={key: value for key, value in overrides.items() if value is not None},
+        seed=args.seed,
+        threads=args.threads,
+    )
+    info = demo["run_info"]
+    timings = info["timings"]
+    print()
+    if "stage_a_s" in timings:
+        pretraining = info["pretraining"]
+        similarity = pretraining["embedding_similarity"]
+        print(f"stage a (stand-in base, {pretraining['steps']} steps): {timings['stage_a_s']:.0f}s; mean cosine of "
+              f"its embeddings: actors {similarity['actors']:.2f}, locations {similarity['locations']:.2f}")
+    accuracy = info["base_accuracy"]
+    which = "that fit one chunk" if accuracy["fits_one_chunk"] else f"of up to {accuracy['max_prompt_tokens']} tokens"
+    print(f"base alone, full attention, {accuracy['rows']} stories {which}: "
+          f"{100 * accuracy['exact_match']:.1f}% (last place mentioned "
+          f"{100 * accuracy['last_location_baseline']:.1f}%, chance {100 * accuracy['chance']:.1f}%)")
+    params = info["trainable_parameters"]
+    print(f"stage b: trainable (memory) parameters {params['memory']:,} of {params['total']:,} "
+          f"({100 * params['share']:.1f}%), {info['steps']} steps in {timings['stage_b_train_s']:.0f}s, "
+          f"evaluation {timings['eval_s']:.0f}s")
+    if "base_unchanged" in info:
+        print(f"base weights bitwise unchanged by stage b: {'yes' if info['base_unchanged'] else 'NO'}")
+    print(f"\nBABILong {info['task']}, input lengths in tokens (chunks of {info['chunk_size']}; trained up to "
+          f"{max(info['train_lengths'])} tokens), accuracy in %:")
+    print(format_results_table(demo["results"]))
+    print("\nGoal:")
+    print("\n".join(goal_report(demo["results"], max(info["train_lengths"]), info["chunk_size"])))
+    print(f"\ntotal {timings['total_s']:.0f}s")
+    paths = demo["paths"]
+    print(f"results:     {paths['results']}\nheatmap:     {paths['heatmap']}\nloss curve:  {paths['loss_curve']}\n"
+          f"memory:      {paths['memory']}  (titans-hf push {paths['memory']} YOUR_NAME/REPO)")
+    if paths["base"] is not None:
+        print(f"base model:  {paths['base']}  (the stand-in Qwen3 pretrained here, with its tokenizer)")
+    return 0

@@ -1,0 +1,72 @@
+"""`titans-hf eval`: BABILong accuracy per task and length with the memory on and off, as JSON and a heatmap."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from titans_hf.evaluation import (
+    HEATMAP_NAME,
+    PREDICTIONS_NAME,
+    RESULTS_NAME,
+    babilong_files_by_task_length,
+    evaluate_babilong,
+    format_results_table,
+    load_model_for_eval,
+)
+from titans_hf.tasks.babilong import GENERATED_TASKS, generate_babilong
+
+
+def register(subcommands: argparse._SubParsersAction) -> None:
+    parser = subcommands.add_parser(
+        "eval",
+        help="score a memory on BABILong (files or generated rows), with and without the memory",
+        description="Greedy answers to BABILong questions, scored by exact match and label substring per task and "
+        "length, with the memory on and off on the same weights; writes results.json, heatmap.png and "
+        "predictions.jsonl to --output.",
+    )
+    parser.add_argument("--model", required=True,
+                        help="a memory folder or Hub id (it names its base), a base Qwen (with --memory), or a full "
+                        "TitansQwen folder")
+    parser.add_argument("--memory", default=None, help="memory folder or Hub id, to put on the --model base")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer name or path (default: the base model's)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--data", nargs="+", help="BABILong JSON files laid out as TASK/LENGTH.json, e.g. qa1/32k.json")
+    source.add_argument("--generate", action="store_true", help="generate rows offline (--tasks, --lengths)")
+    parser.add_argument("--tasks", nargs="+", default=["qa1"], choices=GENERATED_TASKS, help="(--generate)")
+    parser.add_argument("--lengths", nargs="+", type=int, default=None, help="input lengths in tokens (--generate)")
+    parser.add_argument("--num-samples", type=int, default=100, help="rows per task and length (--generate)")
+    parser.add_argument("--seed", type=int, default=1, help="generation seed; use one the training data did not")
+    parser.add_argument("--haystack", nargs="+", default=None, help="text files for the haystack (--generate)")
+    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=1, help="rows per generate call (equal prompt lengths only)")
+    parser.add_argument("--no-ablation", action="store_true", help="skip the pass with the memory switched off")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else None,
+                        help="e.g. cuda or cpu (default: cuda when there is one)")
+    parser.add_argument("--output", required=True, help="folder for results.json, heatmap.png, predictions.jsonl")
+    parser.set_defaults(func=eval_command)
+
+
+def eval_command(args: argparse.Namespace) -> int:
+    if args.generate and not args.lengths:
+        raise ValueError("titans-hf eval --generate needs --lengths (input lengths in tokens)")
+    if args.data:
+        data = babilong_files_by_task_length(args.data)  # checked before the (slow) model load
+    model, tokenizer = load_model_for_eval(args.model, args.memory, args.tokenizer, args.dtype, args.device)
+    if args.generate:
+        data = {
+            (task, length): generate_babilong(task, args.num_samples, length, tokenizer, args.seed, args.haystack)
+            for task in args.tasks
+            for length in args.lengths
+        }
+    results = evaluate_babilong(
+        model, tokenizer, data, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+        output_dir=args.output, ablation=not args.no_ablation,
+    )
+    print(format_results_table(results))
+    print(f"wrote {Path(args.output) / RESULTS_NAME}, {Path(args.output) / HEATMAP_NAME}, "
+          f"{Path(args.output) / PREDICTIONS_NAME}")
+    return 0

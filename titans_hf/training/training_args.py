@@ -1,0 +1,75 @@
+"""`TitansTrainingArguments`: `TrainingArguments` for training a memory, every field of its own documented."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+from transformers import TrainingArguments
+
+
+@dataclass
+class TitansTrainingArguments(TrainingArguments):
+    """`TrainingArguments` with the seed recipe's batch settings, a logging cadence in micro-batches, a length
+    curriculum and the Hub datasets named on a pushed model card.
+
+    Args:
+        per_device_train_batch_size: rows per device per micro-batch (default 1: one 32k row is what fits).
+        gradient_accumulation_steps: micro-batches per optimizer step (default 8).
+        logging_steps: optimizer steps between log lines; when not given, `log_every_batches` decides it.
+        log_every_batches: a log line every this many micro-batches, i.e. `logging_steps = ceil(log_every_batches
+            / gradient_accumulation_steps)`, used only when `logging_steps` is not given (None: the Trainer's 500).
+        curriculum_chunks: chunk-count caps, one per stage, increasing (e.g. 1 2 4 8): stage s trains on the rows
+            of at most `curriculum_chunks[s]` chunks, the last stage stays. None: no curriculum.
+        curriculum_epochs_per_stage: epochs spent in each curriculum stage before the next one.
+        hub_dataset_ids: Hub ids of the datasets trained on, written into the model card of a push.
+    """
+
+    per_device_train_batch_size: int = field(
+        default=1, metadata={"help": "Rows per device per micro-batch; one 32k row is what fits."}
+    )
+    gradient_accumulation_steps: int = field(default=8, metadata={"help": "Micro-batches per optimizer step."})
+    logging_steps: float | None = field(
+        default=None,
+        metadata={"help": "Optimizer steps between log lines (a float < 1: a share of all steps). Not given: "
+                          "log_every_batches decides."},
+    )
+    log_every_batches: int | None = field(
+        default=80,
+        metadata={"help": "A log line every this many micro-batches (logging_steps = ceil(log_every_batches / "
+                          "gradient_accumulation_steps)); only used when logging_steps is not given."},
+    )
+    curriculum_chunks: list[int] | None = field(
+        default=None,
+        metadata={"help": "Length curriculum: chunk-count caps, one per stage, increasing (e.g. 1 2 4 8). Stage s "
+                          "trains on rows of at most curriculum_chunks[s] chunks; the last stage stays. None: no "
+                          "curriculum."},
+    )
+    curriculum_epochs_per_stage: int = field(
+        default=1, metadata={"help": "Epochs spent in each curriculum stage before the next one."}
+    )
+    hub_dataset_ids: list[str] | None = field(
+        default=None, metadata={"help": "Hub ids of the datasets trained on, for the model card of a push."}
+    )
+
+    def __post_init__(self):
+        if self.log_every_batches is not None and self.log_every_batches < 1:
+            raise ValueError(f"log_every_batches must be >= 1 (or None), got {self.log_every_batches}")
+        if self.logging_steps is None:
+            self.logging_steps = (500 if self.log_every_batches is None
+                                  else math.ceil(self.log_every_batches / self.gradient_accumulation_steps))
+        if self.curriculum_chunks is not None:
+            chunks = list(self.curriculum_chunks)
+            if not chunks or chunks[0] < 1 or any(b <= a for a, b in zip(chunks, chunks[1:])):
+                raise ValueError(
+                    f"curriculum_chunks must be positive and strictly increasing, got {self.curriculum_chunks}"
+                )
+        if self.curriculum_epochs_per_stage < 1:
+            raise ValueError(f"curriculum_epochs_per_stage must be >= 1, got {self.curriculum_epochs_per_stage}")
+        if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.accelerator.is_available():
+            # accelerate's multi-process launcher does not pass the config's `use_cpu` on; without it
+            # every process would silently train alone instead of joining a gloo DDP group.
+            self.use_cpu = True
+        super().__post_init__()

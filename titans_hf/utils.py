@@ -1,0 +1,54 @@
+"""Helpers every part of the package shares: one atomic write, one pad-id fallback."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[str], Any]) -> Path:
+    """Write `path` through `write(temporary_path)` in the same folder, then rename it into place.
+
+    An interrupted or failed write leaves `path` as it was (absent or the previous version), never half-written,
+    and removes its temporary file. Returns `path`.
+    """
+    path = Path(path)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(handle)
+    try:
+        write(temporary)
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """`atomic_write` of a UTF-8 text."""
+    return atomic_write(path, lambda temporary: Path(temporary).write_text(text, encoding="utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike, value: Any) -> Path:
+    """`atomic_write` of `value` as indented JSON with a final newline."""
+    return atomic_write_text(path, json.dumps(value, indent=2, ensure_ascii=False) + "\n")
+
+
+def resolve_pad_token_id(tokenizer: Any = None, config: Any = None) -> int:
+    """The id to pad with: the tokenizer's pad token, else its EOS (Qwen base tokenizers have no pad token), else
+    the model config's pad, else its EOS. Raises ValueError naming what was looked at when none is an int."""
+    candidates = [getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None),
+                  getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None)]
+    for candidate in candidates:
+        if isinstance(candidate, list) and candidate:  # generation configs may list several EOS ids
+            candidate = candidate[0]
+        if isinstance(candidate, int) and not isinstance(candidate, bool):
+            return candidate
+    name = getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
+    raise ValueError(f"no pad token id: tokenizer {name!r} has neither a pad nor an EOS token, and the model config "
+                     "names none either; set tokenizer.pad_token")
