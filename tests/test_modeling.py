@@ -119,7 +119,7 @@ def test_generate_equals_recomputing_forward_each_step(tiny_qwen2_dir, variant):
     vocab = model.config.text_config.vocab_size
     ids = random_ids(vocab, (2, 13), seed=2)
     mask = torch.ones_like(ids)
-    mask[1, :3] = 0  # left padding on the second row
+    mask[1, :8] = 0  # left padding on the second row: one whole chunk (padding_multiple = 8)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, output_scores=True,
                          return_dict_in_generate=True, pad_token_id=0)
     assert isinstance(out.cache, TitansCache) and out.cache.get_seq_length() == 13 + 5
@@ -130,6 +130,33 @@ def test_generate_equals_recomputing_forward_each_step(tiny_qwen2_dir, variant):
             logits = model(seq, attention_mask=full_mask).logits[:, -1]
         torch.testing.assert_close(out.scores[step], logits, atol=1e-5, rtol=1e-5)
         assert torch.equal(out.sequences[:, 13 + step], logits.argmax(-1))
+
+
+@pytest.mark.parametrize("variant", ["mag", "mal", "mac"])
+def test_left_padding_by_whole_chunks_answers_as_the_row_alone(tiny_qwen3_dir, variant):
+    """Rows of 13, 21 and 29 tokens (chunks of 8, shorter than every prompt) in one left-padded batch: every
+    row's greedy answer equals that of the row alone, its logits too (to float order); padding that would move its
+    chunks is refused."""
+    model = build(tiny_qwen3_dir, **VARIANT_SETTINGS[variant])
+    assert model.padding_multiple == 8
+    vocab = model.config.text_config.vocab_size
+    rows = [random_ids(vocab, (1, length), seed=length)[0] for length in (13, 21, 29)]
+    batch = torch.zeros(3, 29, dtype=torch.long)
+    mask = torch.zeros(3, 29, dtype=torch.long)
+    for index, row in enumerate(rows):
+        batch[index, 29 - len(row):], mask[index, 29 - len(row):] = row, 1
+    batched = model.generate(batch, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        logits = model(batch, attention_mask=mask).logits[:, -1]
+    for index, row in enumerate(rows):
+        alone = model.generate(row[None], attention_mask=torch.ones(1, len(row), dtype=torch.long),
+                               max_new_tokens=5, do_sample=False, pad_token_id=0)
+        assert torch.equal(batched[index, 29:], alone[0, len(row):])
+        with torch.no_grad():  # equal up to the float order of a batched matmul
+            torch.testing.assert_close(logits[index], model(row[None]).logits[0, -1], atol=1e-5, rtol=1e-5)
+    mask[0, 16:19] = 0  # row 0 now starts after 19 padding tokens
+    with pytest.raises(ValueError, match="row 0 starts with 19 padding tokens.*multiple of padding_multiple=8"):
+        model(batch, attention_mask=mask)
 
 
 def test_prefill_holds_one_chunk_whatever_the_prompt_length(tiny_qwen3_dir):

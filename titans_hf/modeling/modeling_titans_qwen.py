@@ -13,6 +13,7 @@ alone (see `titans_hf.hub`).
 
 import contextlib
 import functools
+import math
 import os
 import tempfile
 from collections.abc import Iterator
@@ -322,6 +323,28 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
 
     # ---- forward ----
 
+    @property
+    def padding_multiple(self) -> int:
+        """Left padding by a multiple of this many tokens (whole chunks, whole memory updates and batches) leaves a
+        row's outputs exactly as they are without it: fully padded chunks attend nothing real and write nothing."""
+        memory = self.config.memory_config
+        return math.lcm(memory.chunk_size, memory.memory_chunk_size,
+                        memory.memory_batch_size or memory.memory_chunk_size)
+
+    def _check_left_padding(self, token_mask: Tensor) -> None:
+        """Refuse left padding that would move a row's chunk boundaries (and so change what it computes)."""
+        real = token_mask.bool()
+        leading = torch.where(real.any(1), real.int().argmax(1), 0)
+        wrong = [(row, int(count)) for row, count in enumerate(leading.tolist()) if count % self.padding_multiple]
+        if wrong:
+            row, count = wrong[0]
+            raise ValueError(
+                f"forward: row {row} starts with {count} padding tokens; a row's chunks line up with its own start "
+                f"only when its left padding is a multiple of padding_multiple={self.padding_multiple} tokens "
+                "(chunk_size, memory_chunk_size, memory_batch_size): pad each row by such a multiple, or batch rows "
+                "of equal length"
+            )
+
     def init_memory_states(self, batch_size: int, device: torch.device | None = None) -> dict[int, MemoryState]:
         return {int(layer): block.neural_memory.init_state(batch_size, device) for layer, block in self.memory.items()}
 
@@ -448,6 +471,8 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
             token_mask = attention_mask[:, -length:].to(input_ids.device)
             if bool(token_mask.all()):
                 token_mask = None  # the common case: skip every masking path
+            elif cache is None or cache.seen_tokens == 0:
+                self._check_left_padding(token_mask)
 
         shifted_labels = None
         if labels is not None:
