@@ -178,8 +178,9 @@ class ExplicitMemoryModel(MemoryModel):
     @abstractmethod
     def inner_gradient(self, weights: Sequence[Tensor], z: Tensor, values: Tensor, lr2: Tensor, chunk: int
                        ) -> tuple[Tensor, Tensor, list[Tensor]]:
-        """``(M_W(z), M_W(k) - v, G)`` for `values` [rows, n * C, d] and ``lr2 = 2 theta`` [rows, n * C]; ``G`` has
-        one [rows * n, d_in, d_out] tensor per weight, ``G_j = grad_W sum_{t in j} theta_t ||M_W(k_t) - v_t||^2``."""
+        """``(M_W(z_read), M_W(k) - v, G)``, the reads of the first r rows, the keys' errors for `values`
+        [rows, n * C, d] and ``lr2 = 2 theta`` [rows, n * C], and ``G``, one [rows * n, d_in, d_out] tensor per
+        weight, ``G_j = grad_W sum_{t in j} theta_t ||M_W(k_t) - v_t||^2``."""
 
     @abstractmethod
     def inner_gradient_backward(self, weights: Sequence[Tensor], z: Tensor, err: Tensor, lr2: Tensor, chunk: int,
@@ -235,12 +236,16 @@ class MLPMemory(ExplicitMemoryModel):
     def inner_gradient(self, weights: Sequence[Tensor], z: Tensor, values: Tensor, lr2: Tensor, chunk: int
                        ) -> tuple[Tensor, Tensor, list[Tensor]]:
         acts, sigmoids = self._hidden(weights, z)
-        out = _residual_matmul(z, acts[-1], weights[-1])
         keys = slice(z.shape[1] - values.shape[1], None)
-        err = out[:, keys].sub_(values)
+        # [reads; M_W(k) - v] = [z_read; k - v] + a W_L: the residual's subtraction first, as one fused product
+        base = z.clone()
+        base[:, keys].sub_(values)
+        out = _residual_matmul(base, acts[-1], weights[-1])
+        err = out[:, keys]
         acts = [a[:, keys] for a in acts]
         deltas, _ = self._backprop(weights, self._slopes(acts, [s[:, keys] for s in sigmoids]), err * lr2.unsqueeze(-1))
-        return out, err, [_chunks(a, chunk).transpose(1, 2) @ _chunks(delta, chunk) for a, delta in zip(acts, deltas)]
+        grads = [_chunks(a, chunk).transpose(1, 2) @ _chunks(delta, chunk) for a, delta in zip(acts, deltas)]
+        return out[:, :keys.start], err, grads
 
     def inner_gradient_backward(self, weights: Sequence[Tensor], z: Tensor, err: Tensor, lr2: Tensor, chunk: int,
                                 g_reads: Tensor | None, g_grads: Sequence[Tensor], g_weights: Sequence[Tensor]
@@ -619,7 +624,7 @@ class _ChunkStep(torch.autograd.Function):
         W, S = tensors[:L], tensors[L:2 * L]
         qk, values, lr2, eta, keep = tensors[2 * L:]
         C = values.shape[1]
-        out, err, grads = model.inner_gradient(W, qk, values, lr2, C)
+        reads, err, grads = model.inner_gradient(W, qk, values, lr2, C)
         norm = scale = None
         if clip is not None:
             norm = _dots(grads, grads).sqrt_()
@@ -631,7 +636,7 @@ class _ChunkStep(torch.autograd.Function):
         ctx.model, ctx.clip = model, clip
         ctx.save_for_backward(*W, *S, qk, lr2, eta, keep, err,
                               *((*grads, norm, scale) if clip is not None else ()))
-        return (out[:, :C], *new_W, *new_S)
+        return (reads, *new_W, *new_S)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
