@@ -20,6 +20,7 @@ from titans_hf.data.sampler import ChunkCurriculumSampler, count_chunks
 from titans_hf.hub import MEMORY_CONFIG_NAME, MEMORY_WEIGHTS_NAME, TRAINABLE_BASE_WEIGHTS_NAME
 from titans_hf.modeling import TitansQwenForCausalLM
 from titans_hf.training import TitansTrainer, TitansTrainingArguments
+from titans_hf.training.trainer import answer_exact_match
 
 STEPS_PER_EPOCH = 3  # 6 rows, batch 1, gradient accumulation 2
 ANSWER_TOKENS = 4
@@ -428,3 +429,35 @@ def test_trained_base_weights_stay_out_of_the_memory_file_and_resume(tiny_qwen3_
     make_trainer(tiny_qwen3_dir, tmp_path, rows, model=fresh, max_steps=2)._load_from_checkpoint(str(checkpoint))
     for name, weight in trainable_weights(model).items():
         assert torch.equal(trainable_weights(fresh)[name], weight), name
+
+
+def test_evaluate_reports_the_exact_match_of_the_labelled_answers(tiny_qwen3_dir, tmp_path):
+    """Half the rows end in the model's own greedy continuation (every answer token predicted: exact match), the
+    other half in random tokens (none right): evaluate() reports 0.5, computed from label_predictions."""
+    model = memory_model(tiny_qwen3_dir).eval()
+    vocab = model.config.text_config.vocab_size
+    generator = torch.Generator().manual_seed(3)
+    columns = {"input_ids": [], "attention_mask": [], "labels": []}
+    for index, length in enumerate([20, 28, 36, 44]):
+        prompt = torch.randint(1, vocab, (1, length), generator=generator)
+        if index % 2 == 0:
+            ids = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=ANSWER_TOKENS,
+                                 do_sample=False, pad_token_id=0)[0]
+        else:
+            ids = torch.cat([prompt[0], torch.randint(1, vocab, (ANSWER_TOKENS,), generator=generator)])
+        columns["input_ids"].append(ids.tolist())
+        columns["attention_mask"].append([1] * len(ids))
+        columns["labels"].append([-100] * length + ids[length:].tolist())
+    rows = datasets.Dataset.from_dict(columns)
+    trainer = TitansTrainer(model=model, args=make_args(tmp_path, per_device_eval_batch_size=2), eval_dataset=rows,
+                            processing_class=AutoTokenizer.from_pretrained(tiny_qwen3_dir),
+                            compute_metrics=answer_exact_match)
+    metrics = trainer.evaluate()
+    assert metrics["eval_exact_match"] == 0.5
+    # the random answers are not all wrong by accident: each misses at least one token
+    for index in (1, 3):
+        ids = torch.tensor([columns["input_ids"][index]])
+        with torch.no_grad():
+            greedy = model(ids).logits[0].argmax(-1)
+        length = len(columns["input_ids"][index]) - ANSWER_TOKENS
+        assert not torch.equal(greedy[length - 1:-1], ids[0, length:])

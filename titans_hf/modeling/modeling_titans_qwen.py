@@ -17,6 +17,7 @@ import math
 import os
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,13 @@ from .variants import MEMORY_VARIANTS, TitansMemoryBlock
 BASE_PREFIXES = ("model.", "lm_head.")
 # What the Hub download of a memory takes; everything else goes to the base's from_pretrained.
 HUB_KWARGS = ("token", "cache_dir", "local_files_only")
+
+
+@dataclass
+class TitansCausalLMOutput(CausalLMOutputWithPast):
+    """`CausalLMOutputWithPast` plus, on request, the greedy prediction for every labelled token."""
+
+    label_predictions: torch.LongTensor | None = None
 
 
 class TitansCache(DynamicCache):
@@ -394,10 +402,11 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         starts_chunk: bool,
         keep_from: int,
         enabled: bool,
-    ) -> tuple[Tensor | None, Tensor | None, dict[int, MemoryState]]:
+        predict: bool = False,
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None, dict[int, MemoryState]]:
         """Run tokens that lie inside one chunk through the base's own layers, each memory block around its layer.
-        Returns (logits of positions >= keep_from or None, summed loss over labelled positions or None, new memory
-        states). Kept separate so it can be checkpointed as one unit; hence `enabled` is an argument: the
+        Returns (logits of positions >= keep_from or None, summed loss over labelled positions or None, with
+        `predict` the greedy next token of every position or None, new memory states). Kept separate so it can be checkpointed as one unit; hence `enabled` is an argument: the
         recomputation in backward may run after `memory_disabled()` has exited."""
         batch_size, length = input_ids.shape
         hidden = self.model.embed_tokens(input_ids)
@@ -426,16 +435,18 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
                 hidden, new_states[index] = block(layer, hidden, states[index], token_mask, num_prefix)
         hidden = self.model.norm(hidden[:, num_prefix:])
 
-        logits = loss_sum = None
+        logits = loss_sum = greedy = None
         if shifted_labels is not None:
             all_logits = self.lm_head(hidden)
             loss_sum = F.cross_entropy(all_logits.float().flatten(0, 1), shifted_labels.flatten(), ignore_index=-100,
                                        reduction="sum")
             if keep_from < length:
                 logits = all_logits[:, keep_from:]
+            if predict:
+                greedy = all_logits.argmax(-1)
         elif keep_from < length:
             logits = self.lm_head(hidden[:, keep_from:])
-        return logits, loss_sum, new_states
+        return logits, loss_sum, greedy, new_states
 
     def forward(
         self,
@@ -446,14 +457,18 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         num_items_in_batch: int | Tensor | None = None,
         logits_to_keep: int = 0,
+        return_predictions: bool = False,
         **kwargs,
-    ) -> CausalLMOutputWithPast:
+    ) -> "TitansCausalLMOutput":
         """Stream `input_ids` through the chunks, carrying the memory state.
 
         `labels` are not shifted (position t predicts labels[t + 1], across chunk boundaries too); the loss is the
         mean over labelled positions, or their sum / `num_items_in_batch` when given (gradient accumulation).
         With labels, logits are only returned when `logits_to_keep` > 0 (a 32k x vocab tensor is what chunking
-        avoids). `position_ids` from callers are ignored: positions restart at every chunk.
+        avoids); `return_predictions` returns the greedy prediction for every labelled token instead
+        (`label_predictions[b, t]` predicts `labels[b, t]`, -100 where unlabelled), what `TitansTrainer` hands to
+        `compute_metrics` (the name avoids "label": the Trainer takes such arguments for label columns).
+        `position_ids` from callers are ignored: positions restart at every chunk.
         """
         if input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise ValueError("forward: input_ids must be a [batch, tokens >= 1] LongTensor")
@@ -478,7 +493,8 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         if labels is not None:
             if labels.shape != input_ids.shape:
                 raise ValueError(f"forward: labels {tuple(labels.shape)} must match input_ids {tuple(input_ids.shape)}")
-            shifted_labels = F.pad(labels[:, 1:], (0, 1), value=-100).to(input_ids.device)
+            labels = labels.to(input_ids.device)
+            shifted_labels = F.pad(labels[:, 1:], (0, 1), value=-100)
 
         if cache is not None and cache.memory_states is not None:
             states = cache.memory_states
@@ -493,7 +509,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         use_checkpoint = (memory.checkpoint_chunks and self.training and torch.is_grad_enabled()
                           and cache is None)
 
-        all_logits, loss_sum, start = [], None, 0
+        all_logits, greedy, loss_sum, start = [], [], None, 0
         while start < length:
             position = seen + start
             end = min(length, start + chunk_size - position % chunk_size)
@@ -512,13 +528,16 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
                 starts_chunk,
                 max(0, keep_start - start),
                 self._memory_enabled,
+                return_predictions and labels is not None,
             )
             if use_checkpoint:
-                logits, piece_loss, states = checkpoint(self._forward_piece, *piece, use_reentrant=False)
+                logits, piece_loss, piece_greedy, states = checkpoint(self._forward_piece, *piece, use_reentrant=False)
             else:
-                logits, piece_loss, states = self._forward_piece(*piece)
+                logits, piece_loss, piece_greedy, states = self._forward_piece(*piece)
             if logits is not None:
                 all_logits.append(logits)
+            if piece_greedy is not None:
+                greedy.append(piece_greedy)
             if piece_loss is not None:
                 loss_sum = piece_loss if loss_sum is None else loss_sum + piece_loss
             start = end
@@ -538,7 +557,12 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         logits = None
         if all_logits:
             logits = all_logits[0] if len(all_logits) == 1 else torch.cat(all_logits, dim=1)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+        label_predictions = None
+        if greedy:
+            label_predictions = torch.full_like(labels, -100)
+            predicted = torch.cat(greedy, dim=1)[:, :-1]
+            label_predictions[:, 1:] = torch.where(labels[:, 1:] != -100, predicted, -100)
+        return TitansCausalLMOutput(loss=loss, logits=logits, cache=cache, label_predictions=label_predictions)
 
     # ---- generation ----
 
@@ -556,4 +580,4 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         model_kwargs["cache"] = TitansCache(self.config)
 
 
-__all__ = ["TitansQwenForCausalLM", "TitansQwenPreTrainedModel", "TitansCache"]
+__all__ = ["TitansCache", "TitansCausalLMOutput", "TitansQwenForCausalLM", "TitansQwenPreTrainedModel"]

@@ -11,6 +11,7 @@ has any.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from torch import nn
@@ -29,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.utils.data import Sampler
-from transformers import Trainer
+from transformers import EvalPrediction, Trainer
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy
 
@@ -90,6 +92,17 @@ def gather_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimiz
 
 def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
+
+
+def answer_exact_match(prediction: EvalPrediction) -> dict[str, float]:
+    """`compute_metrics` for rows whose labelled tokens are an answer (BABILong): the share of rows whose every
+    labelled token is the model's greedy prediction, i.e. whose greedy answer begins with exactly those tokens.
+    Reads `label_predictions` (what `TitansTrainer.prediction_step` gathers from a TitansQwen)."""
+    predictions, labels = np.asarray(prediction.predictions), np.asarray(prediction.label_ids)
+    labelled = labels != -100
+    rows = labelled.any(axis=1)
+    right = ((predictions == labels) | ~labelled).all(axis=1)
+    return {"exact_match": float(right[rows].mean()) if rows.any() else float("nan")}
 
 
 def checkpoint_problem(folder: str | os.PathLike) -> str | None:
@@ -176,6 +189,17 @@ class TitansTrainer(Trainer):
             logger.info("epoch %d: curriculum stage %d, rows of <= %d chunks (%d rows)", epoch, stage,
                         sampler.stages[stage], len(sampler.pools[stage]))
         return super()._run_epoch(model, epoch, train_dataloader, *args, **kwargs)
+
+    # ---- evaluation ----
+
+    def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None):
+        """The Trainer's step; for `compute_metrics`, a TitansQwen returns the greedy prediction of every labelled
+        token (`label_predictions`) in place of logits, which for a 32k-token row are what chunking avoids."""
+        forward = getattr(self.accelerator.unwrap_model(model), "forward", None)
+        if not prediction_loss_only and "return_predictions" in inspect.signature(forward).parameters:
+            inputs = {**inputs, "return_predictions": True}
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
 
     # ---- training ----
 
