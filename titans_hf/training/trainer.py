@@ -15,6 +15,7 @@ import inspect
 import json
 import logging
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,13 @@ logger = logging.getLogger(__name__)
 
 SAMPLER_STATE_NAME = "sampler_state.json"
 TRAINING_ARGS_JSON_NAME = "training_args.json"
+# Settings that make a resumed run another run when they change (the global batch among them).
+RESUME_SETTINGS = (
+    "learning_rate", "gradient_accumulation_steps", "per_device_train_batch_size", "world_size", "num_train_epochs",
+    "max_steps", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio", "weight_decay",
+    "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "optim", "seed", "data_seed", "bf16", "fp16",
+    "curriculum_chunks", "curriculum_epochs_per_stage",
+)
 
 
 def trainable_parameter_names(model: nn.Module) -> set[str]:
@@ -181,7 +189,10 @@ class TitansTrainer(Trainer):
         if sampler is not None and resume_from_checkpoint is not None and epoch == kwargs.get("epochs_trained"):
             sampler_state = Path(resume_from_checkpoint, SAMPLER_STATE_NAME)
             if sampler_state.is_file():  # the saved seed wins over a changed --seed: same order as the run
-                sampler.load_state_dict(json.loads(sampler_state.read_text()))
+                try:
+                    sampler.load_state_dict(json.loads(sampler_state.read_text(encoding="utf-8")))
+                except (UnicodeDecodeError, json.JSONDecodeError, TypeError, KeyError, ValueError) as error:
+                    raise ValueError(f"{sampler_state}: not the state of this run's sampler ({error})") from error
         if sampler is not None:
             sampler.set_epoch(epoch)
         if isinstance(sampler, ChunkCurriculumSampler) and self.is_world_process_zero():
@@ -212,7 +223,26 @@ class TitansTrainer(Trainer):
             problem = checkpoint_problem(resume_from_checkpoint)
             if problem is not None:
                 raise ValueError(f"cannot resume from {resume_from_checkpoint}: {problem}")
+        if resume_from_checkpoint:
+            self._warn_about_changed_arguments(Path(resume_from_checkpoint))
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _warn_about_changed_arguments(self, checkpoint: Path) -> None:
+        """Resuming with other settings is another run: name every setting of `RESUME_SETTINGS` that changed."""
+        path = checkpoint / TRAINING_ARGS_JSON_NAME
+        if not path.is_file():
+            logger.warning("%s is missing: cannot tell whether this run's settings equal the checkpoint's", path)
+            return
+        try:
+            saved = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ValueError(f"{path}: not valid JSON ({error})") from error
+        current = {**json.loads(self.args.to_json_string()), "world_size": self.args.world_size}
+        changed = [f"{name} {saved.get(name)!r} -> {current.get(name)!r}" for name in RESUME_SETTINGS
+                   if saved.get(name) != current.get(name)]
+        if changed and self.is_world_process_zero():
+            logger.warning("resuming %s with changed settings, so the run will not be the one that was "
+                           "interrupted: %s", checkpoint, "; ".join(changed))
 
     def _last_complete_checkpoint(self) -> str:
         run_dir = Path(self.args.output_dir)
@@ -327,9 +357,33 @@ class TitansTrainer(Trainer):
         self._load_from_checkpoint(self.state.best_model_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if checkpoint is None or not self.is_fsdp_enabled:
-            super()._load_optimizer_and_scheduler(checkpoint)
-            return
-        optimizer_state = torch.load(os.path.join(checkpoint, OPTIMIZER_NAME), map_location="cpu", weights_only=True)
-        load_optimizer_state_dict(self.model, self.optimizer.optimizer, optimizer_state)
-        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+        try:
+            if checkpoint is None or not self.is_fsdp_enabled:
+                super()._load_optimizer_and_scheduler(checkpoint)
+                return
+            optimizer_state = torch.load(os.path.join(checkpoint, OPTIMIZER_NAME), map_location="cpu",
+                                         weights_only=True)
+            load_optimizer_state_dict(self.model, self.optimizer.optimizer, optimizer_state)
+            self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+        except (RuntimeError, OSError, EOFError, pickle.UnpicklingError, KeyError, ValueError) as error:
+            raise ValueError(f"{_unreadable(checkpoint, (OPTIMIZER_NAME, SCHEDULER_NAME))}: cannot be loaded into this "
+                             f"run's optimizer and scheduler ({error})") from error
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        try:
+            super()._load_rng_state(checkpoint)
+        except (RuntimeError, OSError, EOFError, pickle.UnpicklingError, KeyError, TypeError, ValueError) as error:
+            names = (f"rng_state_{self.args.process_index}.pth" if self.args.world_size > 1 else "rng_state.pth",)
+            raise ValueError(f"{_unreadable(checkpoint, names)}: not a random number generator state ({error})") from error
+
+
+def _unreadable(checkpoint: str, names: tuple[str, ...]) -> str:
+    """The first of `names` in `checkpoint` that `torch.load` cannot read (weights only), else all of them."""
+    for name in names:
+        path = Path(checkpoint, name)
+        try:
+            if path.is_file():
+                torch.load(path, map_location="cpu", weights_only=True)
+        except Exception:  # any failure to read is what is being looked for
+            return str(path)
+    return " / ".join(str(Path(checkpoint, name)) for name in names)

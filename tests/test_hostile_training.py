@@ -1,0 +1,80 @@
+"""Hostile checkpoints and misuse at resume: every broken file is named, a cut-short checkpoint is passed over,
+changed settings are named, and nothing in the checkpoint is modified by trying."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import pytest
+from test_trainer import make_trainer, rows  # noqa: F401  (rows is a fixture)
+
+
+def checksums(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def checkpoints(tiny_qwen3_dir, rows, tmp_path):  # noqa: F811
+    """A run of 2 steps with a checkpoint at each: checkpoint-1 and checkpoint-2."""
+    make_trainer(tiny_qwen3_dir, tmp_path, rows, max_steps=2).train()
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("sampler_state.json", b"{not json", "sampler_state.json: not the state of this run's sampler"),
+        ("sampler_state.json", b'{"epoch": 0}', "sampler_state.json: not the state of this run's sampler"),
+        ("optimizer.pt", b"garbage" * 10, "optimizer.pt: cannot be loaded into this run's optimizer"),
+        ("scheduler.pt", b"\x00" * 64, "scheduler.pt: cannot be loaded into this run's optimizer"),
+        ("rng_state.pth", b"not a pickle", "rng_state.pth: not a random number generator state"),
+    ],
+)
+def test_a_garbage_checkpoint_file_is_named(tiny_qwen3_dir, rows, checkpoints, name, content, message):  # noqa: F811
+    broken = checkpoints / "checkpoint-2" / name
+    broken.write_bytes(content)
+    before = checksums(checkpoints)
+    trainer = make_trainer(tiny_qwen3_dir, checkpoints, rows, max_steps=4)
+    with pytest.raises(ValueError) as raised:
+        trainer.train(resume_from_checkpoint=str(checkpoints / "checkpoint-2"))
+    assert str(broken) in str(raised.value) and message.split(": ", 1)[1] in str(raised.value)
+    assert checksums(checkpoints) == before
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_a_broken_memory_file_is_passed_over_on_resume_and_named_when_asked_for(
+    tiny_qwen3_dir, rows, checkpoints, caplog, damage  # noqa: F811
+):
+    weights = checkpoints / "checkpoint-2" / "memory_model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\x08\x00\x00\x00\x00\x00\x00\x00{bad")
+    before = checksums(checkpoints)
+    with pytest.raises(ValueError, match=f"cannot resume from .*checkpoint-2: {weights}.*not a readable safetensors"):
+        make_trainer(tiny_qwen3_dir, checkpoints, rows, max_steps=2).train(
+            resume_from_checkpoint=str(checkpoints / "checkpoint-2"))
+    trainer = make_trainer(tiny_qwen3_dir, checkpoints, rows, max_steps=2, save_strategy="no")
+    with caplog.at_level(logging.WARNING, logger="titans_hf.training.trainer"):
+        trainer.train(resume_from_checkpoint=True)  # checkpoint-1 is complete: 1 more step from there
+    assert trainer.state.global_step == 2
+    assert any(f"skipping the incomplete checkpoint {checkpoints / 'checkpoint-2'}" in r.getMessage()
+               for r in caplog.records)
+    assert checksums(checkpoints) == before
+
+
+def test_resuming_with_changed_settings_names_each_of_them(tiny_qwen3_dir, rows, checkpoints, caplog):  # noqa: F811
+    same = make_trainer(tiny_qwen3_dir, checkpoints, rows, max_steps=2, save_strategy="no", logging_steps=2)
+    with caplog.at_level(logging.WARNING, logger="titans_hf.training.trainer"):
+        same.train(resume_from_checkpoint=True)
+    assert not [r for r in caplog.records if "changed settings" in r.getMessage()]  # logging does not count
+
+    changed = make_trainer(tiny_qwen3_dir, checkpoints, rows, max_steps=2, save_strategy="no", learning_rate=5e-3,
+                           gradient_accumulation_steps=3)
+    with caplog.at_level(logging.WARNING, logger="titans_hf.training.trainer"):
+        changed.train(resume_from_checkpoint=True)
+    (message,) = [r.getMessage() for r in caplog.records if "changed settings" in r.getMessage()]
+    assert "checkpoint-2" in message
+    assert "learning_rate 0.01 -> 0.005" in message and "gradient_accumulation_steps 2 -> 3" in message
+    assert "seed" not in message
