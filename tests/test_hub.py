@@ -25,13 +25,11 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import numpy as np
 import pytest
 import yaml
 from huggingface_hub import ModelCard, constants
 from transformers import AutoTokenizer
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
-from safetensors.numpy import save_file
 
 from titans_hf.commands import main as cli_main
 from titans_hf.hub import TitansMemoryConfig, push_memory_folder, render_memory_card
@@ -302,6 +300,10 @@ def hub(monkeypatch, hub_token):
     stub = HubStub(hub_token)
     server = ThreadingHTTPServer(("127.0.0.1", 0), _make_handler(stub))
     stub.endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    # in-process clients (HfApi without endpoint=, downloads) reach the stub too
+    monkeypatch.setattr(constants, "ENDPOINT", stub.endpoint)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                        stub.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield stub
@@ -312,22 +314,31 @@ def hub(monkeypatch, hub_token):
 
 @pytest.fixture
 def memory_folder(tmp_path) -> Path:
-    """A save_memory folder, plus what a training output folder also holds and must stay local."""
+    """A memory folder of MEMORY_CONFIG (the weights of a model built from it, on a base of its shape), plus what a
+    training output folder also holds and must stay local."""
     folder = tmp_path / "memory"
-    folder.mkdir()
-    save_file(
-        {
-            "model.layers.1.memory.to_keys.weight": np.arange(64, dtype=np.float32).reshape(16, 4),
-            "model.layers.1.memory_gate.bias": np.full(4, -3.0, dtype=np.float32),
-        },
-        str(folder / "memory_model.safetensors"),
-    )
-    MEMORY_CONFIG.save_pretrained(folder)
+    memory_model(MEMORY_CONFIG).save_pretrained(folder)
+    assert MEMORY_CONFIG == TitansMemoryConfig.from_pretrained(folder)
     (folder / "README.md").write_text("---\nlibrary_name: transformers\n---\nA stale generic card.\n")
     (folder / "training_args.json").write_text("{}")
     (folder / "checkpoint-8").mkdir()
     (folder / "checkpoint-8" / "optimizer.pt").write_bytes(b"\x00" * 32)
     return folder
+
+
+def memory_model(config: TitansMemoryConfig):
+    """A TitansQwen of `config` on a random base of the config's base shape (nothing is loaded)."""
+    import torch
+    from transformers import Qwen3Config
+
+    from titans_hf.modeling import TitansQwenConfig, TitansQwenForCausalLM
+
+    shape = config.base_shape
+    text = Qwen3Config(hidden_size=shape["hidden_size"], num_hidden_layers=shape["num_hidden_layers"],
+                       vocab_size=shape["vocab_size"], num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       intermediate_size=64)
+    torch.manual_seed(0)
+    return TitansQwenForCausalLM(TitansQwenConfig(text_config=text, memory_config=config))
 
 
 def _snapshot(folder: Path) -> dict[str, bytes]:
@@ -560,7 +571,6 @@ def test_a_pushed_memory_loads_by_repo_id_in_a_fresh_process(hub, hub_token, tin
     ids = list(range(5, 25))
     with torch.no_grad():
         expected = model.eval()(torch.tensor([ids])).logits
-    monkeypatch.setattr(constants, "ENDPOINT", hub.endpoint)
     with pytest.raises(ValueError, match="not a Hub id: a local path never goes into a public card"):
         model.push_to_hub(REPO_ID, token=hub_token)  # trained on a local folder: the base's Hub id is needed
     model.push_to_hub(REPO_ID, token=hub_token, base_model=BASE_REPO_ID)

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -43,7 +44,8 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 from huggingface_hub.utils import validate_repo_id
-from safetensors import SafetensorError
+import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from titans_hf import __version__
@@ -57,6 +59,9 @@ MEMORY_WEIGHTS_NAME = "memory_model.safetensors"
 TRAINABLE_BASE_WEIGHTS_NAME = "trainable_base_model.safetensors"
 CARD_TEMPLATE_PATH = Path(__file__).parent / "hub_cards" / "memory_model_card.md"
 BASE_SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
+_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                 "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                 "BOOL": torch.bool}
 
 
 @dataclass
@@ -304,6 +309,16 @@ def load_memory_weights(path: str | os.PathLike) -> dict[str, Any]:
         raise ValueError(f"{path}: not a readable safetensors file ({error})") from error
 
 
+def read_safetensors_header(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """{name: (shape, torch dtype)} of a safetensors file, from its header alone (no tensor data is read)."""
+    try:
+        with safe_open(str(path), framework="pt") as weights:
+            return {name: (tuple(weights.get_slice(name).get_shape()), _TORCH_DTYPES[weights.get_slice(name).get_dtype()])
+                    for name in weights.keys()}
+    except (SafetensorError, OSError, ValueError, KeyError) as error:
+        raise ValueError(f"{path}: not a readable safetensors file ({error})") from error
+
+
 def load_memory_folder(name_or_path: str | os.PathLike, revision: str | None = None, **hub_kwargs: Any
                        ) -> tuple[TitansMemoryConfig, dict[str, Any]]:
     """(config, memory weights) of a memory folder or Hub repository."""
@@ -400,22 +415,30 @@ def render_memory_card(config: TitansMemoryConfig, results: dict | None = None, 
 def push_memory_folder(folder: str | os.PathLike, repo_id: str, *, token: str | None = None,
                        endpoint: str | None = None, private: bool = False, commit_message: str | None = None,
                        results: dict | None = None, datasets: list[str] | None = None,
-                       base_model: str | None = None, revision: str | None = None) -> str:
+                       base_model: str | None = None, revision: str | None = None,
+                       check_weights: Callable[[TitansMemoryConfig, dict, str], None] | None = None) -> str:
     """Upload a memory folder to a Hub model repository and return the commit URL.
 
     The commit holds exactly memory_model.safetensors, memory_config.json and a README.md rendered from
-    hub_cards/memory_model_card.md; anything else in the folder stays local. `base_model` / `revision` name the
-    base on the Hub when the memory was trained on a local copy of it (they replace the local path in the
-    uploaded config). The token comes from `token`, else from HF_TOKEN or `hf auth login`, and is never printed
-    or logged.
+    hub_cards/memory_model_card.md; anything else in the folder stays local, and a file that is a link is refused.
+    `check_weights(config, {name: (shape, dtype)}, source)` (the model's `check_memory_weights`) vets the weights
+    against the config before anything is sent. `base_model` / `revision` name the base on the Hub when the
+    memory was trained on a local copy of it (they replace the local path in the uploaded config). The token comes
+    from `token`, else from HF_TOKEN or `hf auth login`, and is never printed or logged.
     """
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: no such directory (expected a memory folder written by save_pretrained)")
-    config = read_memory_config(hub_file(folder, MEMORY_CONFIG_NAME))
-    weights_path = hub_file(folder, MEMORY_WEIGHTS_NAME)
-    if not load_memory_weights(weights_path):
+    config_path, weights_path = hub_file(folder, MEMORY_CONFIG_NAME), hub_file(folder, MEMORY_WEIGHTS_NAME)
+    for path in (config_path, weights_path):
+        if path.is_symlink():
+            raise ValueError(f"{path}: is a link ({os.readlink(path)}); a memory folder holds its own files")
+    config = read_memory_config(config_path)
+    header = read_safetensors_header(weights_path)
+    if not header:
         raise ValueError(f"{weights_path}: holds no tensors")
+    if check_weights is not None:
+        check_weights(config, header, str(weights_path))
     if base_model is not None:
         config = dataclasses.replace(config, base_model_name_or_path=base_model, revision=revision)
     card = render_memory_card(config, results, repo_id=repo_id, datasets=datasets)

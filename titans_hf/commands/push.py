@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from titans_hf.hub import push_memory_folder
+from titans_hf.modeling import TitansQwenForCausalLM
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -47,6 +48,7 @@ def push_command(args: argparse.Namespace) -> int:
         datasets=args.dataset,
         base_model=args.base_model,
         revision=args.base_revision,
+        check_weights=TitansQwenForCausalLM.check_memory_weights,
     )
     print(commit_url)
     return 0

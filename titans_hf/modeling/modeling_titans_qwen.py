@@ -33,6 +33,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from titans_hf.hub import (
     TitansMemoryConfig,
+    is_hub_id,
     is_memory,
     load_memory_folder,
     push_memory_folder,
@@ -46,6 +47,16 @@ from .variants import MEMORY_VARIANTS, TitansMemoryBlock
 BASE_PREFIXES = ("model.", "lm_head.")
 # What the Hub download of a memory takes; everything else goes to the base's from_pretrained.
 HUB_KWARGS = ("token", "cache_dir", "local_files_only")
+
+
+def _memory_blocks(config: TitansQwenConfig) -> nn.ModuleDict:
+    """One block of the configured variant per memory layer, keyed by the layer's index."""
+    variant = MEMORY_VARIANTS[config.memory_config.variant]
+    return nn.ModuleDict({str(layer): variant(config) for layer in config.memory_config.memory_layers})
+
+
+def _persistent_tokens(config: TitansQwenConfig) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(config.memory_config.num_persistent_tokens, config.text_config.hidden_size))
 
 
 @dataclass
@@ -154,10 +165,9 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
             for module in backbone.modules():
                 module._is_hf_initialized = True
             self.model, self.lm_head = backbone.model, backbone.lm_head
-        variant = MEMORY_VARIANTS[memory.variant]
-        self.memory = nn.ModuleDict({str(layer): variant(config) for layer in memory.memory_layers})
+        self.memory = _memory_blocks(config)
         if memory.num_persistent_tokens:
-            self.persistent_tokens = nn.Parameter(torch.zeros(memory.num_persistent_tokens, text.hidden_size))
+            self.persistent_tokens = _persistent_tokens(config)
         self._memory_enabled = True
         self.post_init()
         self._apply_freeze_base()
@@ -187,7 +197,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         The memory's settings come from `memory_config` and/or `memory_settings` (TitansMemoryConfig fields:
         chunk_size, memory_layers, variant, ...). `revision`, `dtype`, `attn_implementation` and `load_kwargs`
         (token, device_map, ...) go to the base's `from_pretrained`, which never runs code from the base's
-        repository (`trust_remote_code=False`).
+        repository (`trust_remote_code=False`) and reads its weights from safetensors only.
         """
         unknown = sorted(set(memory_settings) - set(TitansMemoryConfig.setting_names()))
         if unknown:
@@ -196,7 +206,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         if isinstance(base, PreTrainedModel):
             backbone, name = base, base.config.name_or_path
         else:
-            load_kwargs = {**(load_kwargs or {}), "trust_remote_code": False}
+            load_kwargs = {**(load_kwargs or {}), "trust_remote_code": False, "use_safetensors": True}
             for key, value in (("revision", revision), ("dtype", dtype), ("attn_implementation", attn_implementation)):
                 if value is not None:
                     load_kwargs[key] = value
@@ -242,6 +252,10 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
             base = memory_config.base_model_name_or_path
             if not base:
                 raise ValueError(f"{memory}: its memory config names no base model; pass the base explicitly")
+            if not Path(memory).is_dir() and (not is_hub_id(base) or Path(base).exists()):
+                # a downloaded file never picks a path on this machine
+                raise ValueError(f"{memory}: its memory config names the base {base!r}, which is not a Hub id; pass "
+                                 "the base explicitly (from_base_and_memory(base, memory))")
         base_revision = base_revision if base_revision is not None else memory_config.revision
         if isinstance(base, PreTrainedModel):
             text = base.config
@@ -289,6 +303,31 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
             for name, value in state_dict.items():
                 own[name].copy_(value)
 
+    @staticmethod
+    def check_memory_weights(config: TitansMemoryConfig, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                             source: str) -> None:
+        """Refuse weights that are not exactly the memory `config` describes: every name, shape and dtype (given as
+        {name: (shape, dtype)}, e.g. read from a safetensors header) against a memory built from the config on the
+        meta device. A ValueError naming `source` and the first difference."""
+        if config.base_shape is None:
+            raise ValueError(f"{source}: the memory config records no base_shape, so its weights cannot be checked")
+        shape = config.base_shape
+        text = AutoConfig.for_model(shape["model_type"], hidden_size=shape["hidden_size"],
+                                    num_hidden_layers=shape["num_hidden_layers"], vocab_size=shape["vocab_size"])
+        with torch.device("meta"):
+            titans = TitansQwenConfig(text_config=text, memory_config=config)
+            expected = {f"memory.{name}": param for name, param in _memory_blocks(titans).named_parameters()}
+            if config.num_persistent_tokens:
+                expected["persistent_tokens"] = _persistent_tokens(titans)
+        missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+        if missing or unexpected:
+            raise ValueError(f"{source}: not the weights of this memory config (missing {missing[:5]}, unexpected "
+                             f"{unexpected[:5]})")
+        for name, param in expected.items():
+            if tuple(tensors[name][0]) != tuple(param.shape) or tensors[name][1] != param.dtype:
+                raise ValueError(f"{source}: {name} is {tensors[name][1]} {tuple(tensors[name][0])}, the memory "
+                                 f"config makes it {param.dtype} {tuple(param.shape)}")
+
     def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, save_full_model: bool = False,
                         **kwargs: Any) -> None:
         """With a frozen base: the memory alone (`memory_config.json` + `memory_model.safetensors`), the way PEFT
@@ -316,7 +355,8 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
             self.save_memory(folder)
             return push_memory_folder(folder, repo_id, token=token, private=bool(private),
                                       commit_message=commit_message, results=results, datasets=datasets,
-                                      base_model=base_model, revision=base_revision)
+                                      base_model=base_model, revision=base_revision,
+                                      check_weights=self.check_memory_weights)
 
     @contextlib.contextmanager
     def memory_disabled(self) -> Iterator["TitansQwenForCausalLM"]:

@@ -336,6 +336,7 @@ class TitansTrainer(Trainer):
             folder, repo_id, token=token if token is not None else self.args.hub_token,
             private=self.args.hub_private_repo if private is None else private, commit_message=commit_message,
             results=results, datasets=self.args.hub_dataset_ids, base_model=base_model, revision=base_revision,
+            check_weights=getattr(self.accelerator.unwrap_model(self.model), "check_memory_weights", None),
         )
 
     # ---- loading ----

@@ -1,0 +1,123 @@
+"""Hostile memory folders and Hub repositories: nothing in them runs code, picks load options or paths, or gets a
+full base (or anything else that is not the memory its config describes) uploaded."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from test_hub import MEMORY_CONFIG, REPO_ID, _snapshot, hub, hub_token, memory_folder, memory_model  # noqa: F401
+
+from titans_hf.hub import push_memory_folder
+from titans_hf.modeling import TitansQwenForCausalLM
+
+REMOTE_CODE = '''
+from pathlib import Path
+Path({marker!r}).write_text("remote code ran")
+from transformers import Qwen3Config, Qwen3ForCausalLM
+class EvilConfig(Qwen3Config):
+    pass
+class EvilForCausalLM(Qwen3ForCausalLM):
+    pass
+'''
+
+
+def push(folder, hub, token, **kwargs):  # noqa: F811
+    return push_memory_folder(folder, REPO_ID, token=token, endpoint=hub.endpoint,
+                              check_weights=TitansQwenForCausalLM.check_memory_weights, **kwargs)
+
+
+def test_a_linked_weights_file_is_not_uploaded(hub, hub_token, memory_folder, tmp_path):  # noqa: F811
+    outside = tmp_path / "elsewhere.safetensors"
+    (memory_folder / "memory_model.safetensors").rename(outside)
+    (memory_folder / "memory_model.safetensors").symlink_to(outside)
+    with pytest.raises(ValueError, match=r"memory_model\.safetensors: is a link"):
+        push(memory_folder, hub, hub_token)
+    assert hub.requests == []
+
+
+def test_weights_that_are_not_the_configs_memory_are_not_uploaded(hub, hub_token, memory_folder):  # noqa: F811
+    weights = memory_folder / "memory_model.safetensors"
+    full = memory_model(MEMORY_CONFIG).state_dict()  # the whole model, base included
+    save_file({name: tensor.contiguous() for name, tensor in full.items()}, str(weights))
+    with pytest.raises(ValueError, match=rf"{weights}: not the weights of this memory config .*unexpected "
+                                         r"\['lm_head.weight', 'model.embed_tokens.weight'"):
+        push(memory_folder, hub, hub_token)
+    memory = memory_model(MEMORY_CONFIG).memory_state_dict()
+    memory["memory.1.output_weight"] = torch.zeros(32, 8)  # the config says 2 heads of 8 = 16 wide
+    save_file({name: tensor.contiguous() for name, tensor in memory.items()}, str(weights))
+    with pytest.raises(ValueError, match=r"memory\.1\.output_weight is torch\.float32 \(32, 8\), the memory config "
+                                         r"makes it torch\.float32 \(32, 16\)"):
+        push(memory_folder, hub, hub_token)
+    memory = {name: tensor.to(torch.float64) for name, tensor in memory_model(MEMORY_CONFIG).memory_state_dict().items()}
+    save_file(memory, str(weights))
+    with pytest.raises(ValueError, match="is torch.float64"):
+        push(memory_folder, hub, hub_token)
+    assert hub.requests == []
+
+
+@pytest.mark.parametrize("extra", [{"load_kwargs": {"trust_remote_code": True}}, {"trust_remote_code": True},
+                                   {"dtype": "float16"}, {"attn_implementation": "flash_attention_2"}])
+def test_a_memory_config_cannot_pass_load_options(tiny_qwen3_dir, tmp_path, extra):
+    model = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, chunk_size=8, memory_head_dim=16)
+    model.save_pretrained(tmp_path / "memory")
+    config_path = tmp_path / "memory" / "memory_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **extra}))
+    before = _snapshot(tmp_path / "memory")
+    with pytest.raises(ValueError, match=rf"{config_path}: unknown memory setting\(s\) \['{next(iter(extra))}'\]"):
+        TitansQwenForCausalLM.from_pretrained(tmp_path / "memory")
+    assert _snapshot(tmp_path / "memory") == before
+
+
+def _base_with_remote_code(tiny_qwen3_dir: Path, folder: Path, marker: Path, model_type: str) -> Path:
+    """The tiny base, its config and tokenizer config naming code (auto_map) that would write `marker` if run."""
+    folder.mkdir()
+    for file in tiny_qwen3_dir.iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    (folder / "modeling_evil.py").write_text(REMOTE_CODE.format(marker=str(marker)))
+    (folder / "configuration_evil.py").write_text(REMOTE_CODE.format(marker=str(marker)))
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type=model_type, auto_map={"AutoConfig": "configuration_evil.EvilConfig",
+                                                   "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"})
+    (folder / "config.json").write_text(json.dumps(config))
+    tokenizer = json.loads((folder / "tokenizer_config.json").read_text())
+    tokenizer["auto_map"] = {"AutoTokenizer": ["modeling_evil.EvilForCausalLM", None]}
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer))
+    return folder
+
+
+def test_eval_of_a_memory_never_runs_code_from_its_base(tiny_qwen3_dir, tmp_path):
+    marker = tmp_path / "remote_code_ran"
+    base = _base_with_remote_code(tiny_qwen3_dir, tmp_path / "base", marker, model_type="qwen3")
+    model = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, chunk_size=16, memory_head_dim=16)
+    model.config.memory_config.base_model_name_or_path = str(base)
+    model.save_pretrained(tmp_path / "memory")
+    command = [sys.executable, "-m", "titans_hf.commands", "eval", "--model", str(tmp_path / "memory"), "--generate",
+               "--lengths", "0", "--num-samples", "2", "--no-ablation", "--output", str(tmp_path / "eval")]
+    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not marker.exists()
+    # a base that only remote code could build is refused, not run
+    evil = _base_with_remote_code(tiny_qwen3_dir, tmp_path / "evil", marker, model_type="evil_model")
+    with pytest.raises(ValueError, match="evil"):
+        TitansQwenForCausalLM.from_base_and_memory(evil, tmp_path / "memory")
+    assert not marker.exists()
+
+
+def test_a_memory_from_the_hub_never_picks_a_local_base(hub, hub_token, tiny_qwen3_dir):  # noqa: F811
+    model = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, chunk_size=16, memory_head_dim=16)
+    model.push_to_hub(REPO_ID, token=hub_token, base_model="someone/tiny-qwen3")
+    config = json.loads(hub.files[REPO_ID]["memory_config.json"])
+    hub.files[REPO_ID]["memory_config.json"] = json.dumps({**config, "base_model_name_or_path": str(tiny_qwen3_dir)}
+                                                          ).encode()
+    with pytest.raises(ValueError, match=f"names the base '{tiny_qwen3_dir}', which is not a Hub id"):
+        TitansQwenForCausalLM.from_pretrained(REPO_ID)
+    # named explicitly, the same local base is the user's choice
+    loaded = TitansQwenForCausalLM.from_base_and_memory(tiny_qwen3_dir, REPO_ID)
+    assert all(torch.equal(loaded.memory_state_dict()[n], t) for n, t in model.memory_state_dict().items())
