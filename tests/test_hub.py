@@ -594,3 +594,41 @@ def test_a_pushed_memory_loads_by_repo_id_in_a_fresh_process(hub, hub_token, tin
     empty = _run_fresh(script, ids, hub, tmp_path / "empty_home", offline=True)
     assert empty.returncode != 0
     assert f"memory_config.json of {REPO_ID} is not in the local Hugging Face cache" in empty.stderr
+
+
+def test_trainer_push_to_hub_pushes_the_memory_only(hub, hub_token, tiny_qwen3_dir, tmp_path):
+    """Trainer(push_to_hub=True): every checkpoint's memory during training, then the final one; never the base,
+    the tokenizer, the optimizer or the training arguments."""
+    import datasets
+    import torch
+    from safetensors.torch import load as load_bytes
+
+    from titans_hf.modeling import TitansQwenForCausalLM
+    from titans_hf.training import TitansTrainer, TitansTrainingArguments
+
+    torch.manual_seed(0)
+    model = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, chunk_size=16, memory_chunk_size=8, memory_head_dim=16,
+                                            checkpoint_chunks=False)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 200, (4, 32), generator=generator).tolist()
+    rows = datasets.Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * 32] * 4, "labels": ids})
+    args = TitansTrainingArguments(
+        output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=1,
+        save_strategy="steps", save_steps=1, report_to="none", use_cpu=True, disable_tqdm=True,
+        push_to_hub=True, hub_model_id=REPO_ID, hub_token=hub_token, hub_base_model="someone/tiny-qwen3",
+        hub_dataset_ids=["someone/long-documents"],
+    )
+    trainer = TitansTrainer(model=model, args=args, train_dataset=rows,
+                            processing_class=AutoTokenizer.from_pretrained(tiny_qwen3_dir))
+    trainer.train()
+    assert [commit["summary"] for commit in hub.commits] == ["Training in progress, step 1",
+                                                             "Training in progress, step 2"]
+    url = trainer.push_to_hub()
+    assert url.startswith(f"{hub.endpoint}/{REPO_ID}/commit/")
+    assert all(set(commit["files"]) == HUB_FILES for commit in hub.commits) and len(hub.commits) == 3
+    pushed = load_bytes(hub.files[REPO_ID]["memory_model.safetensors"])
+    assert pushed.keys() == model.memory_state_dict().keys()
+    assert all(torch.equal(pushed[name], tensor) for name, tensor in model.memory_state_dict().items())
+    card = ModelCard(hub.files[REPO_ID]["README.md"].decode())
+    assert card.data.base_model == "someone/tiny-qwen3" and card.data.datasets == ["someone/long-documents"]
+    assert json.loads(hub.files[REPO_ID]["memory_config.json"])["base_model_name_or_path"] == "someone/tiny-qwen3"

@@ -48,8 +48,7 @@ def check_datasets_internals() -> None:
     problems = []
     if datasets_load._PACKAGED_DATASETS_MODULES is not _PACKAGED_DATASETS_MODULES:
         problems.append("datasets.load no longer reads datasets.packaged_modules._PACKAGED_DATASETS_MODULES")
-    get_module = getattr(datasets_load.PackagedDatasetModuleFactory, "get_module", None)
-    if get_module is None:
+    if "get_module" not in vars(getattr(datasets_load, "PackagedDatasetModuleFactory", object)):
         problems.append("datasets.load.PackagedDatasetModuleFactory.get_module is gone")
     for name in ("DatasetModule", "DataFilesDict"):
         if not hasattr(datasets_load, name):

@@ -316,7 +316,7 @@ class TitansTrainer(Trainer):
         """Save the memory into `output_dir` and push it with its model card (memory weights, config, README.md;
         see `titans_hf.hub.push_memory_folder`) to `hub_model_id`. `kwargs` may hold `results` (a
         `titans-hf eval` results dict), `base_model` and `base_revision` (the base's Hub id when it was loaded
-        from a local folder). Returns the commit URL on the main process."""
+        from a local folder; default `hub_base_model`). Returns the commit URL on the main process."""
         self.save_model(_internal_call=True)
         if not self.is_world_process_zero():
             return None
@@ -335,7 +335,8 @@ class TitansTrainer(Trainer):
         return push_memory_folder(
             folder, repo_id, token=token if token is not None else self.args.hub_token,
             private=self.args.hub_private_repo if private is None else private, commit_message=commit_message,
-            results=results, datasets=self.args.hub_dataset_ids, base_model=base_model, revision=base_revision,
+            results=results, datasets=self.args.hub_dataset_ids, base_model=base_model or self.args.hub_base_model,
+            revision=base_revision,
             check_weights=getattr(self.accelerator.unwrap_model(self.model), "check_memory_weights", None),
         )
 

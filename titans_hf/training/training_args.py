@@ -25,6 +25,8 @@ class TitansTrainingArguments(TrainingArguments):
             of at most `curriculum_chunks[s]` chunks, the last stage stays. None: no curriculum.
         curriculum_epochs_per_stage: epochs spent in each curriculum stage before the next one.
         hub_dataset_ids: Hub ids of the datasets trained on, written into the model card of a push.
+        hub_base_model: the base's Hub id for pushes, when the base was loaded from a local folder (a local path
+            never goes into a pushed card or config).
     """
 
     per_device_train_batch_size: int = field(
@@ -52,6 +54,9 @@ class TitansTrainingArguments(TrainingArguments):
     )
     hub_dataset_ids: list[str] | None = field(
         default=None, metadata={"help": "Hub ids of the datasets trained on, for the model card of a push."}
+    )
+    hub_base_model: str | None = field(
+        default=None, metadata={"help": "The base's Hub id for pushes, when it was loaded from a local folder."}
     )
 
     def __post_init__(self):
