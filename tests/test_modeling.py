@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import titans_hf  # noqa: F401  (registers the Auto classes)
+import titans_hf.modeling.modeling_titans_qwen
 from titans_hf.modeling import TitansCache, TitansQwenConfig, TitansQwenForCausalLM
 
 SMALL_MEMORY = dict(chunk_size=8, memory_chunk_size=4, memory_num_heads=2, memory_head_dim=16)
@@ -363,3 +364,71 @@ def test_conv_init_reaches_every_memory_and_survives_save_load(tiny_qwen3_dir, t
     assert torch.equal(weight, torch.tensor([[0.0, 0.0, 0.0, 1.0]]).expand(48, 4))
     with pytest.raises(ValueError, match="conv_init"):
         TitansQwenConfig(text_config=model.config.text_config.to_dict(), memory_config={"conv_init": "mean"})
+
+
+# ---- attention over the previous chunk too (attend_previous_chunk) ----
+
+
+@pytest.mark.parametrize("variant", ["mag", "mac"])
+def test_previous_chunk_window_equals_full_attention_over_two_chunks(tiny_qwen3_dir, variant):
+    """Memory off, two chunks: the second chunk sees the first, exactly what full attention over both sees."""
+    base = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir).eval()
+    model = build(tiny_qwen3_dir, attend_previous_chunk=True, **VARIANT_SETTINGS[variant])
+    ids = random_ids(model.config.text_config.vocab_size, (2, 16), seed=11)
+    with torch.no_grad(), model.memory_disabled():
+        torch.testing.assert_close(model(ids).logits, base(ids).logits, atol=1e-5, rtol=1e-5)
+        plain = build(tiny_qwen3_dir, **VARIANT_SETTINGS[variant])
+        assert not torch.allclose(plain(ids).logits[:, 8:], base(ids).logits[:, 8:], atol=1e-3)  # the window matters
+
+
+@pytest.mark.parametrize("variant", ["mag", "mal", "mac"])
+def test_previous_chunk_window_through_the_cache_and_generate_equals_recomputing(tiny_qwen2_dir, variant):
+    """Five chunks (keys move back a chunk four times): pieces through the cache equal one pass, generate equals the
+    forward recomputed at every step, and the cache never holds more than two chunks' keys."""
+    model = build(tiny_qwen2_dir, attend_previous_chunk=True, **VARIANT_SETTINGS[variant])
+    ids = random_ids(model.config.text_config.vocab_size, (2, 37), seed=12)
+    prefix = 5 if variant == "mac" else 0
+    with torch.no_grad():
+        whole = model(ids).logits
+        cache, pieces = TitansCache(model.config), []
+        for start, end in [(0, 3), (3, 11), (11, 20), (20, 21), (21, 37)]:
+            pieces.append(model(ids[:, start:end], cache=cache).logits)
+            assert cache.layers[0].keys.shape[-2] <= 2 * (8 + prefix)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), whole, atol=1e-5, rtol=1e-5)
+    assert cache.layers[0].keys.shape[-2] == (8 + prefix) + (5 + prefix)  # chunk 4 whole, chunk 5 so far
+    out = model.generate(ids[:, :13], attention_mask=torch.ones(2, 13, dtype=torch.long), max_new_tokens=12,
+                         do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    for step in range(12):
+        with torch.no_grad():
+            logits = model(out.sequences[:, : 13 + step]).logits[:, -1]
+        torch.testing.assert_close(out.scores[step], logits, atol=1e-5, rtol=1e-5)
+
+
+def test_previous_chunk_window_trains_through_checkpointed_chunks(tiny_qwen3_dir):
+    """Gradients with chunk checkpointing equal those without (the previous chunk's keys cross checkpoints)."""
+    grads = []
+    for checkpoint_chunks in (False, True):
+        model = build(tiny_qwen3_dir, attend_previous_chunk=True, checkpoint_chunks=checkpoint_chunks).train()
+        ids = random_ids(model.config.text_config.vocab_size, (2, 30), seed=13)
+        model(ids, labels=ids).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-5)
+
+
+def test_previous_chunk_window_keys_move_as_rope_composes(tiny_qwen3_dir):
+    """_move_keys(k at p, o) equals k rotated at p + o, and rotate_half is the base's own."""
+    from transformers.models.qwen3 import modeling_qwen3
+
+    model = build(tiny_qwen3_dir, attend_previous_chunk=True)
+    keys = torch.randn(1, 2, 5, model.config.text_config.head_dim, generator=torch.Generator().manual_seed(14))
+    assert torch.equal(modeling_qwen3.rotate_half(keys), titans_hf.modeling.modeling_titans_qwen.rotate_half(keys))
+    rotary = model.model.rotary_emb
+
+    def rotated(positions):
+        cos, sin = rotary(keys, torch.tensor([positions]))
+        return keys * cos.unsqueeze(1) + modeling_qwen3.rotate_half(keys) * sin.unsqueeze(1)
+
+    torch.testing.assert_close(model._move_keys(rotated(list(range(8, 13))), -8), rotated(list(range(5))),
+                               atol=1e-5, rtol=1e-5)

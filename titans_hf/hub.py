@@ -100,6 +100,9 @@ class TitansMemoryConfig:
     max_lr: float = field(default=0.1, metadata={"help": "Upper bound of the data-dependent inner learning rate."})
     num_memory_tokens: int = field(default=0, metadata={"help": "mac: memory tokens read at the start of a chunk."})
     num_persistent_tokens: int = field(default=0, metadata={"help": "mac: learned tokens prefixing every chunk."})
+    attend_previous_chunk: bool = field(default=False, metadata={
+        "help": "Each chunk's attention also sees the previous chunk's keys and values (a sliding window, as in "
+                "Titans' MAG); positions stay within two chunks, the cache within two chunks' keys."})
     bptt_chunks: int | None = field(default=None, metadata={
         "help": "Detach the memory state every this many chunks (None: backpropagate through all of them)."})
     freeze_base: bool = field(default=True, metadata={"help": "Train only the memory; the base stays as loaded."})
@@ -134,7 +137,7 @@ class TitansMemoryConfig:
         for name in ("base_model_name_or_path", "revision"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a string or None")
-        for name in ("freeze_base", "checkpoint_chunks"):
+        for name in ("freeze_base", "checkpoint_chunks", "attend_previous_chunk"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
         if isinstance(self.max_lr, bool) or not isinstance(self.max_lr, (int, float)) or not self.max_lr > 0:

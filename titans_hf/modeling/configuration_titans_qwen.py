@@ -59,6 +59,9 @@ class TitansQwenConfig(PreTrainedConfig):
             if value not in registry:
                 raise ValueError(f"{name}={value!r} must be one of {sorted(registry)}")
         MEMORY_VARIANTS[memory.variant].check_config(memory)
+        if memory.attend_previous_chunk and set(text.layer_types) != {"full_attention"}:
+            raise ValueError(f"attend_previous_chunk needs full-attention layers; this base's layer_types are "
+                             f"{sorted(set(text.layer_types))}")
         self.memory_config = memory
 
     def to_dict(self) -> dict[str, Any]:

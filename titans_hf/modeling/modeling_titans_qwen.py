@@ -16,7 +16,7 @@ import functools
 import math
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,6 +59,28 @@ def _persistent_tokens(config: TitansQwenConfig) -> nn.Parameter:
     return nn.Parameter(torch.zeros(config.memory_config.num_persistent_tokens, config.text_config.hidden_size))
 
 
+def rotate_half(x: Tensor) -> Tensor:
+    """The 90 degree turn of RoPE's pairs, as Qwen2 and Qwen3 pair the two halves of a head."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass
+class PreviousChunk:
+    """The previous chunk as the next one's attention sees it (attend_previous_chunk): per layer its keys (RoPE at
+    positions 0 ..) and values [B, kv heads, keys, head dim], and its 2-D key mask (None: no padding)."""
+
+    key_values: list[tuple[Tensor, Tensor]]
+    mask: Tensor | None
+
+    @property
+    def length(self) -> int:
+        return self.key_values[0][0].shape[-2] if self.key_values else 0
+
+    def detach(self) -> "PreviousChunk":
+        return PreviousChunk([(keys.detach(), values.detach()) for keys, values in self.key_values], self.mask)
+
+
 @dataclass
 class TitansCausalLMOutput(CausalLMOutputWithPast):
     """`CausalLMOutputWithPast` plus, on request, the greedy prediction for every labelled token."""
@@ -78,7 +100,8 @@ class TitansCache(DynamicCache):
         super().__init__(config=config.text_config)
         self.seen_tokens = 0
         self.memory_states: dict[int, MemoryState] | None = None
-        self.chunk_attention_mask: Tensor | None = None  # [B, keys in the current chunk], prefix included
+        self.chunk_attention_mask: Tensor | None = None  # [B, keys held], prefix included
+        self.previous_length = 0  # keys of the previous chunk held before the current one's (attend_previous_chunk)
 
     is_croppable = False  # the memory cannot un-write tokens
 
@@ -88,10 +111,21 @@ class TitansCache(DynamicCache):
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return super().get_seq_length(layer_idx)
 
-    def start_new_chunk(self) -> None:
+    def start_new_chunk(self, keep_previous: Callable[[Tensor], Tensor] | None = None) -> None:
+        """Drop the keys attention no longer sees. With `keep_previous` (the model's shift of keys to the positions
+        they hold as the previous chunk), the chunk just finished stays, shifted, and everything before it goes."""
+        if keep_previous is None:
+            for layer in self.layers:
+                layer.reset()
+            self.chunk_attention_mask = None
+            return
         for layer in self.layers:
-            layer.reset()
-        self.chunk_attention_mask = None
+            if layer.is_initialized:
+                layer.keys = keep_previous(layer.keys[:, :, self.previous_length:])
+                layer.values = layer.values[:, :, self.previous_length:]
+        if self.chunk_attention_mask is not None:
+            self.chunk_attention_mask = self.chunk_attention_mask[:, self.previous_length:]
+        self.previous_length = super().get_seq_length()
 
     def _select_rows(self, index: Tensor) -> None:
         if self.memory_states is not None:
@@ -393,6 +427,17 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
                 "of equal length"
             )
 
+    def _move_keys(self, keys: Tensor, offset: int) -> Tensor:
+        """Keys that RoPE rotated at positions p, as if rotated at p + offset (rotations compose: R(p + o) =
+        R(o) R(p)): how a chunk's keys keep their place when it becomes the previous chunk, so positions stay within
+        two chunks."""
+        if offset == 0:
+            return keys
+        rotary = self.model.rotary_emb
+        cos, sin = rotary(keys, torch.full((1, 1), offset, device=keys.device))
+        cos, sin = cos.unsqueeze(1) / rotary.attention_scaling, sin.unsqueeze(1) / rotary.attention_scaling
+        return keys * cos + rotate_half(keys) * sin
+
     def init_memory_states(self, batch_size: int, device: torch.device | None = None) -> dict[int, MemoryState]:
         return {int(layer): block.neural_memory.init_state(batch_size, device) for layer, block in self.memory.items()}
 
@@ -443,11 +488,14 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         keep_from: int,
         enabled: bool,
         predict: bool = False,
-    ) -> tuple[Tensor | None, Tensor | None, Tensor | None, dict[int, MemoryState]]:
+        previous: PreviousChunk | None = None,
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None, dict[int, MemoryState], PreviousChunk | None]:
         """Run tokens that lie inside one chunk through the base's own layers, each memory block around its layer.
         Returns (logits of positions >= keep_from or None, summed loss over labelled positions or None, with
-        `predict` the greedy next token of every position or None, new memory states). Kept separate so it can be checkpointed as one unit; hence `enabled` is an argument: the
-        recomputation in backward may run after `memory_disabled()` has exited."""
+        `predict` the greedy next token of every position or None, new memory states, and without a cache but
+        with `previous` (attend_previous_chunk) this chunk's keys, values and mask for the next chunk). Kept separate
+        so it can be checkpointed as one unit, so every input is an argument (`enabled` too: the recomputation in
+        backward may run after `memory_disabled()` has exited) and no cache is changed in it but the decoding one."""
         batch_size, length = input_ids.shape
         hidden = self.model.embed_tokens(input_ids)
         prefix = self._chunk_prefix(states, batch_size) if starts_chunk and enabled else None
@@ -457,9 +505,22 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
             hidden = torch.cat([prefix.to(hidden.dtype), hidden], dim=1)
             if token_mask is not None:
                 mask = torch.cat([token_mask.new_ones(batch_size, num_prefix), token_mask], dim=1)
-        attention_mask, past = self._chunk_attention_mask(mask, cache, batch_size, hidden.shape[1], hidden.device)
+        attention_cache = cache
+        if previous is not None:  # the previous chunk's keys in a cache made here, which the layers extend
+            attention_cache = DynamicCache(config=self.config.text_config)
+            for index, (keys, values) in enumerate(previous.key_values):
+                attention_cache.update(keys, values, index)
+            past = previous.length
+            if mask is not None or previous.mask is not None:
+                full = hidden.new_ones(batch_size, hidden.shape[1], dtype=torch.long)
+                attention_mask = torch.cat([full.new_ones(batch_size, past) if previous.mask is None else previous.mask,
+                                            full if mask is None else mask], dim=1)
+            else:
+                attention_mask = None
+        else:
+            attention_mask, past = self._chunk_attention_mask(mask, cache, batch_size, hidden.shape[1], hidden.device)
         position_ids = torch.arange(past, past + hidden.shape[1], device=hidden.device).unsqueeze(0)
-        masks = self._attention_masks(hidden, attention_mask, cache, position_ids)
+        masks = self._attention_masks(hidden, attention_mask, attention_cache, position_ids)
         position_embeddings = self.model.rotary_emb(hidden, position_ids)
 
         new_states = dict(states)
@@ -467,7 +528,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         for index, decoder_layer in enumerate(self.model.layers):
             layer = functools.partial(decoder_layer, attention_mask=masks[layer_types[index]],
                                       position_embeddings=position_embeddings, position_ids=position_ids,
-                                      cache=cache, use_cache=cache is not None)
+                                      cache=attention_cache, use_cache=attention_cache is not None)
             block = self.memory[str(index)] if enabled and str(index) in self.memory else None
             if block is None:
                 hidden = layer(hidden)
@@ -486,7 +547,13 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
                 greedy = all_logits.argmax(-1)
         elif keep_from < length:
             logits = self.lm_head(hidden[:, keep_from:])
-        return logits, loss_sum, greedy, new_states
+        current = None
+        if previous is not None:
+            current = PreviousChunk(
+                [(layer.keys[:, :, past:], layer.values[:, :, past:]) for layer in attention_cache.layers],
+                None if attention_mask is None else attention_mask[:, past:],
+            )
+        return logits, loss_sum, greedy, new_states, current
 
     def forward(
         self,
@@ -549,6 +616,9 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         use_checkpoint = (memory.checkpoint_chunks and self.training and torch.is_grad_enabled()
                           and cache is None)
 
+        window = memory.attend_previous_chunk
+        # without a cache, the previous chunk's keys travel from piece to piece (with one, the cache holds them)
+        previous = PreviousChunk([], None) if window and cache is None else None
         all_logits, greedy, loss_sum, start = [], [], None, 0
         while start < length:
             position = seen + start
@@ -556,9 +626,11 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
             starts_chunk = position % chunk_size == 0
             chunk_index = position // chunk_size
             if starts_chunk and cache is not None and position > 0:
-                cache.start_new_chunk()
+                cache.start_new_chunk(
+                    functools.partial(self._move_keys, offset=-cache.previous_length) if window else None)
             if bptt and starts_chunk and chunk_index > 0 and chunk_index % bptt == 0:
                 states = {layer: state.detach() for layer, state in states.items()}
+                previous = previous.detach() if previous is not None else None
             piece = (
                 input_ids[:, start:end],
                 None if token_mask is None else token_mask[:, start:end],
@@ -569,11 +641,17 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
                 max(0, keep_start - start),
                 self._memory_enabled,
                 return_predictions and labels is not None,
+                previous,
             )
             if use_checkpoint:
-                logits, piece_loss, piece_greedy, states = checkpoint(self._forward_piece, *piece, use_reentrant=False)
+                logits, piece_loss, piece_greedy, states, current = checkpoint(self._forward_piece, *piece,
+                                                                               use_reentrant=False)
             else:
-                logits, piece_loss, piece_greedy, states = self._forward_piece(*piece)
+                logits, piece_loss, piece_greedy, states, current = self._forward_piece(*piece)
+            if current is not None:  # the next chunk sees this one at the positions before its own
+                current.key_values = [(self._move_keys(keys, -previous.length), values)
+                                      for keys, values in current.key_values]
+                previous = current
             if logits is not None:
                 all_logits.append(logits)
             if piece_greedy is not None:
