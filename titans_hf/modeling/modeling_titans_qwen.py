@@ -83,9 +83,10 @@ class PreviousChunk:
 
 @dataclass
 class TitansCausalLMOutput(CausalLMOutputWithPast):
-    """`CausalLMOutputWithPast` plus, on request, the greedy prediction for every labelled token."""
+    """`CausalLMOutputWithPast` plus, on request, the greedy prediction and the loss of every labelled token."""
 
     label_predictions: torch.LongTensor | None = None
+    token_losses: torch.FloatTensor | None = None
 
 
 class TitansCache(DynamicCache):
@@ -492,7 +493,8 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None, dict[int, MemoryState], PreviousChunk | None]:
         """Run tokens that lie inside one chunk through the base's own layers, each memory block around its layer.
         Returns (logits of positions >= keep_from or None, summed loss over labelled positions or None, with
-        `predict` the greedy next token of every position or None, new memory states, and without a cache but
+        `predict` the greedy next token and the loss of every position or None, new memory states, and without a
+        cache but
         with `previous` (attend_previous_chunk) this chunk's keys, values and mask for the next chunk). Kept separate
         so it can be checkpointed as one unit, so every input is an argument (`enabled` too: the recomputation in
         backward may run after `memory_disabled()` has exited) and no cache is changed in it but the decoding one."""
@@ -536,7 +538,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
                 hidden, new_states[index] = block(layer, hidden, states[index], token_mask, num_prefix)
         hidden = self.model.norm(hidden[:, num_prefix:])
 
-        logits = loss_sum = greedy = None
+        logits = loss_sum = per_token = None
         if shifted_labels is not None:
             all_logits = self.lm_head(hidden)
             loss_sum = F.cross_entropy(all_logits.float().flatten(0, 1), shifted_labels.flatten(), ignore_index=-100,
@@ -544,7 +546,10 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
             if keep_from < length:
                 logits = all_logits[:, keep_from:]
             if predict:
-                greedy = all_logits.argmax(-1)
+                with torch.no_grad():
+                    token_losses = F.cross_entropy(all_logits.float().flatten(0, 1), shifted_labels.flatten(),
+                                                   ignore_index=-100, reduction="none")
+                per_token = (all_logits.argmax(-1), token_losses.view(shifted_labels.shape))
         elif keep_from < length:
             logits = self.lm_head(hidden[:, keep_from:])
         current = None
@@ -553,7 +558,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
                 [(layer.keys[:, :, past:], layer.values[:, :, past:]) for layer in attention_cache.layers],
                 None if attention_mask is None else attention_mask[:, past:],
             )
-        return logits, loss_sum, greedy, new_states, current
+        return logits, loss_sum, per_token, new_states, current
 
     def forward(
         self,
@@ -565,6 +570,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         num_items_in_batch: int | Tensor | None = None,
         logits_to_keep: int = 0,
         return_predictions: bool = False,
+        return_token_losses: bool = False,
         **kwargs,
     ) -> "TitansCausalLMOutput":
         """Stream `input_ids` through the chunks, carrying the memory state.
@@ -574,7 +580,9 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         With labels, logits are only returned when `logits_to_keep` > 0 (a 32k x vocab tensor is what chunking
         avoids); `return_predictions` returns the greedy prediction for every labelled token instead
         (`label_predictions[b, t]` predicts `labels[b, t]`, -100 where unlabelled), what `TitansTrainer` hands to
-        `compute_metrics` (the name avoids "label": the Trainer takes such arguments for label columns).
+        `compute_metrics` (the name avoids "label": the Trainer takes such arguments for label columns), and
+        `return_token_losses` the cross-entropy of every labelled token (`token_losses[b, t]` of predicting
+        `labels[b, t]`, 0 where unlabelled), what the per-chunk language-model evaluation sums.
         `position_ids` from callers are ignored: positions restart at every chunk.
         """
         if input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] == 0:
@@ -619,7 +627,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         window = memory.attend_previous_chunk
         # without a cache, the previous chunk's keys travel from piece to piece (with one, the cache holds them)
         previous = PreviousChunk([], None) if window and cache is None else None
-        all_logits, greedy, loss_sum, start = [], [], None, 0
+        all_logits, per_token, loss_sum, start = [], [], None, 0
         while start < length:
             position = seen + start
             end = min(length, start + chunk_size - position % chunk_size)
@@ -640,22 +648,22 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
                 starts_chunk,
                 max(0, keep_start - start),
                 self._memory_enabled,
-                return_predictions and labels is not None,
+                (return_predictions or return_token_losses) and labels is not None,
                 previous,
             )
             if use_checkpoint:
-                logits, piece_loss, piece_greedy, states, current = checkpoint(self._forward_piece, *piece,
+                logits, piece_loss, piece_tokens, states, current = checkpoint(self._forward_piece, *piece,
                                                                                use_reentrant=False)
             else:
-                logits, piece_loss, piece_greedy, states, current = self._forward_piece(*piece)
+                logits, piece_loss, piece_tokens, states, current = self._forward_piece(*piece)
             if current is not None:  # the next chunk sees this one at the positions before its own
                 current.key_values = [(self._move_keys(keys, -previous.length), values)
                                       for keys, values in current.key_values]
                 previous = current
             if logits is not None:
                 all_logits.append(logits)
-            if piece_greedy is not None:
-                greedy.append(piece_greedy)
+            if piece_tokens is not None:
+                per_token.append(piece_tokens)
             if piece_loss is not None:
                 loss_sum = piece_loss if loss_sum is None else loss_sum + piece_loss
             start = end
@@ -675,12 +683,17 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         logits = None
         if all_logits:
             logits = all_logits[0] if len(all_logits) == 1 else torch.cat(all_logits, dim=1)
-        label_predictions = None
-        if greedy:
-            label_predictions = torch.full_like(labels, -100)
-            predicted = torch.cat(greedy, dim=1)[:, :-1]
-            label_predictions[:, 1:] = torch.where(labels[:, 1:] != -100, predicted, -100)
-        return TitansCausalLMOutput(loss=loss, logits=logits, cache=cache, label_predictions=label_predictions)
+        label_predictions = token_losses = None
+        if per_token:  # position t - 1 predicts labels[t]
+            labelled = labels[:, 1:] != -100
+            if return_predictions:
+                label_predictions = torch.full_like(labels, -100)
+                label_predictions[:, 1:] = torch.where(labelled, torch.cat([g for g, _ in per_token], 1)[:, :-1], -100)
+            if return_token_losses:
+                token_losses = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
+                token_losses[:, 1:] = torch.cat([t for _, t in per_token], 1)[:, :-1]
+        return TitansCausalLMOutput(loss=loss, logits=logits, cache=cache, label_predictions=label_predictions,
+                                    token_losses=token_losses)
 
     # ---- generation ----
 

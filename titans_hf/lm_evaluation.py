@@ -1,0 +1,166 @@
+"""Language-model evaluation on held-out windows: loss and perplexity per chunk index, memory on vs off.
+
+A window of W tokens is read in chunks of `chunk_size`; every labelled token is charged to the chunk it lies in
+(its prediction comes from the token before it, across a chunk boundary too). Run with the memory on and, on the
+same weights, inside `memory_disabled()`: where the memory carries something from earlier chunks, the later chunks'
+loss falls with it on, while the first chunk (whose memory has read nothing yet) should stay as it was. Windows
+from a `seq` store count every token; an `sft` store's loss mask restricts the count to the tokens it marks (e.g.
+the recalled values of `titans_hf.tasks.recall`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from titans_hf.utils import atomic_write, atomic_write_json
+
+LM_RESULTS_NAME = "lm_results.json"
+LM_PLOT_NAME = "loss_per_chunk.png"
+
+
+def _per_chunk(model, windows: Sequence[dict[str, Any]], batch_size: int, progress) -> tuple[list[float], list[int]]:
+    """Summed loss and token count per chunk index over `windows`."""
+    chunk_size = model.config.memory_config.chunk_size
+    sums: list[float] = []
+    counts: list[int] = []
+    for start in range(0, len(windows), batch_size):
+        rows = windows[start:start + batch_size]
+        width = max(len(row["input_ids"]) for row in rows)
+        input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+        labels = torch.full((len(rows), width), -100, dtype=torch.long)
+        attention = torch.zeros(len(rows), width, dtype=torch.long)
+        for index, row in enumerate(rows):  # right padding: a row's tokens start where its chunks start
+            length = len(row["input_ids"])
+            input_ids[index, :length] = torch.as_tensor(row["input_ids"])
+            labels[index, :length] = torch.as_tensor(row["labels"])
+            attention[index, :length] = torch.as_tensor(row.get("attention_mask", [1] * length))
+        device = model.device
+        with torch.no_grad():
+            losses = model(input_ids.to(device), attention_mask=attention.to(device), labels=labels.to(device),
+                           return_token_losses=True).token_losses.cpu()
+        labelled = (labels != -100)
+        labelled[:, 0] = False  # nothing predicts the first token
+        chunks = math.ceil(width / chunk_size)
+        while len(sums) < chunks:
+            sums.append(0.0)
+            counts.append(0)
+        for chunk in range(chunks):
+            span = slice(chunk * chunk_size, (chunk + 1) * chunk_size)
+            sums[chunk] += float(losses[:, span][labelled[:, span]].double().sum())
+            counts[chunk] += int(labelled[:, span].sum())
+        progress.update(len(rows))
+    return sums, counts
+
+
+def evaluate_lm(
+    model,
+    windows: Sequence[dict[str, Any]],
+    batch_size: int = 8,
+    output_dir: str | os.PathLike | None = None,
+    ablation: bool = True,
+    show_progress: bool = True,
+) -> dict[str, Any]:
+    """Loss and perplexity per chunk index of `windows` (rows with `input_ids`, `labels`, optionally
+    `attention_mask`, as `load_dataset("titans_tokens")` gives them), with the memory on and, with `ablation`,
+    off on the same weights. Returns (and with `output_dir` writes as lm_results.json beside a plot of loss against
+    chunk position, loss_per_chunk.png)::
+
+        {"chunk_size": C, "num_windows": N,
+         "memory":    {"loss": [per chunk], "perplexity": [...], "tokens": [...], "loss_after_first_chunk": x,
+                       "loss_first_chunk": y},
+         "no_memory": {... the same ...},
+         "ratio": {"per_chunk": [memory / no memory], "after_first_chunk": ..., "first_chunk": ...}}
+
+    A chunk with no labelled token has loss None.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be >= 1")
+    if not len(windows):
+        raise ValueError("evaluate_lm: no windows to evaluate")
+    if ablation and not hasattr(model, "memory_disabled"):
+        raise ValueError(f"ablation=True needs a TitansQwenForCausalLM, got {type(model).__name__}")
+    modes = ["memory", "no_memory"] if ablation else ["memory"]
+    was_training = model.training
+    model.eval()
+    results: dict[str, Any] = {"chunk_size": model.config.memory_config.chunk_size, "num_windows": len(windows)}
+    try:
+        with tqdm(total=len(windows) * len(modes), desc="LM eval", unit="window", disable=not show_progress) as bar:
+            for mode in modes:
+                bar.set_description(f"LM eval, {mode.replace('_', ' ')}")
+                if mode == "memory":
+                    sums, counts = _per_chunk(model, windows, batch_size, bar)
+                else:
+                    with model.memory_disabled():
+                        sums, counts = _per_chunk(model, windows, batch_size, bar)
+                losses = [s / c if c else None for s, c in zip(sums, counts)]
+                later = sum(counts[1:])
+                results[mode] = {
+                    "loss": losses,
+                    "perplexity": [None if loss is None else math.exp(loss) for loss in losses],
+                    "tokens": counts,
+                    "loss_first_chunk": losses[0],
+                    "loss_after_first_chunk": sum(sums[1:]) / later if later else None,
+                }
+    finally:
+        model.train(was_training)
+    if ablation:
+        on, off = results["memory"], results["no_memory"]
+
+        def ratio(a, b):
+            return None if a is None or b in (None, 0) else a / b
+
+        results["ratio"] = {
+            "per_chunk": [ratio(a, b) for a, b in zip(on["loss"], off["loss"])],
+            "first_chunk": ratio(on["loss_first_chunk"], off["loss_first_chunk"]),
+            "after_first_chunk": ratio(on["loss_after_first_chunk"], off["loss_after_first_chunk"]),
+        }
+    if output_dir is not None:
+        folder = Path(output_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        plot_loss_per_chunk(results, folder / LM_PLOT_NAME)
+        atomic_write_json(folder / LM_RESULTS_NAME, results)  # last: its presence means the evaluation finished
+    return results
+
+
+def plot_loss_per_chunk(results: dict[str, Any], path: str | os.PathLike) -> Path:
+    """Loss against chunk position, one line with the memory and one without."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 3.5))
+    labels = {"memory": "with memory", "no_memory": "memory off (same weights)"}
+    for mode in ("memory", "no_memory"):
+        if mode in results:
+            losses = results[mode]["loss"]
+            points = [(index, loss) for index, loss in enumerate(losses) if loss is not None]
+            axis.plot([i for i, _ in points], [loss for _, loss in points], marker="o", label=labels[mode])
+    axis.set_xlabel(f"chunk index (chunks of {results['chunk_size']} tokens)")
+    axis.set_ylabel("loss per token (cross-entropy)")
+    axis.set_title("Loss per chunk position")
+    axis.legend()
+    atomic_write(path, lambda temporary: figure.savefig(temporary, format="png", dpi=120, bbox_inches="tight"))
+    plt.close(figure)
+    return Path(path)
+
+
+def format_lm_table(results: dict[str, Any]) -> str:
+    """Loss per chunk with and without the memory, and their ratio, as plain text."""
+    def number(value) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    lines = [["chunk", "tokens", "memory", "no memory", "ratio"]]
+    for index, loss in enumerate(results["memory"]["loss"]):
+        off = results.get("no_memory", {}).get("loss", [None] * (index + 1))[index]
+        ratio = results.get("ratio", {}).get("per_chunk", [None] * (index + 1))[index]
+        lines.append([str(index), str(results["memory"]["tokens"][index]), number(loss), number(off), number(ratio)])
+    widths = [max(len(line[i]) for line in lines) for i in range(5)]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines)
