@@ -63,10 +63,15 @@ def test_meta_json_records_format_keys_and_offsets(tmp_path, tiny_tokenizer_dir,
     source = write_jsonl(tmp_path / "docs.jsonl", [{"text": STORY}, {"text": ""}, {"text": OTHER}])
     prepare(source, tmp_path / "store", tiny_tokenizer_dir)
     meta = json.loads((tmp_path / "store" / "meta.json").read_text())
+    ids = encode(tokenizer, STORY) + [tokenizer.eos_token_id] + encode(tokenizer, OTHER) + [tokenizer.eos_token_id]
     first, second = len(encode(tokenizer, STORY)) + 1, len(encode(tokenizer, OTHER)) + 1
+    offsets = [0, first, first + second]
+    # The checksum covers the ids as stored (uint16) and then the offsets as little-endian int64.
+    checksum = hashlib.sha256(np.array(ids, "<u2").tobytes() + np.array(offsets, "<i8").tobytes()).hexdigest()
     # The empty document adds nothing (not a lone EOS).
     assert meta["format_version"] == 1
-    assert meta["keys"] == {"sequence": {"dtype": "uint16", "length": first + second, "offsets": [0, first, first + second]}}
+    assert meta["keys"] == {"sequence": {"dtype": "uint16", "length": first + second, "offsets": offsets,
+                                         "min": min(ids), "max": max(ids), "sha256": checksum}}
     assert meta["vocab_size"] == len(tokenizer) and meta["tokenizer"] == str(tiny_tokenizer_dir)
     assert (tmp_path / "store" / "sequence.bin").stat().st_size == 2 * (first + second)
 
@@ -167,7 +172,9 @@ def test_large_vocabulary_is_stored_as_uint32(tmp_path):
     ("records", "train_type", "message"),
     [
         ([{"text": "fine"}, {"body": "no text"}], "seq", r"bad.jsonl:2: missing field\(s\) \['text'\]"),
-        ([{"prompt": "p"}], "sft", r"bad.jsonl:1: missing field\(s\) \['response'\]"),
+        ([{"prompt": "p"}], "sft",
+         r"bad.jsonl:1: an sft record needs the fields \['messages'\] or \['prompt', 'completion'\] or \['prompt', 'response'\]; "
+         r"it has \['prompt'\]"),
         ([{"prompt": "p", "response": 3}], "sft", r"bad.jsonl:1: field 'response' must be a string, got int"),
         ([{"prompt": "p", "responses": ["a", "b"], "rewards": [1.0]}], "grpo", r"bad.jsonl:1: 2 responses but 1 rewards"),
         ([{"prompt": "p", "responses": ["a"], "rewards": ["high"]}], "grpo", r"bad.jsonl:1: field 'rewards' must be a list of numbers"),
@@ -216,7 +223,7 @@ def test_failed_overwrite_keeps_the_old_store(tmp_path, tiny_tokenizer_dir, monk
     real_replace = prepare_module.os.replace
 
     def replace_failing_on_the_new_store(src, dst):
-        if Path(dst) == output and Path(src) != output.with_name(f".{output.name}.replaced"):
+        if Path(dst) == output and not Path(src).name.startswith(f".{output.name}.replaced-"):
             raise OSError("disk full")  # the new store cannot be put in place; putting the old one back works
         real_replace(src, dst)
 

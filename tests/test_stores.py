@@ -25,8 +25,8 @@ DOCUMENTS = [np.arange(1000 * index, 1000 * index + length) for index, length in
 METADATA = {"train_type": "seq", "tokenizer": "tiny", "vocab_size": 20000, "eos_token_id": 0, "pad_token_id": 1}
 
 
-def write_store(path: Path, documents=DOCUMENTS, key: str = "sequence", dtype: str = "uint16") -> Path:
-    writer = STORE_WRITERS["h5" if path.suffix == ".h5" else "bin"](path, {key: dtype}, METADATA)
+def write_store(path: Path, documents=DOCUMENTS, key: str = "sequence", dtype: str = "uint16", metadata=METADATA) -> Path:
+    writer = STORE_WRITERS["h5" if path.suffix == ".h5" else "bin"](path, {key: dtype}, metadata)
     for document in documents:
         writer.add_segment(key, document)
     os.replace(writer.finish(), path)
@@ -105,7 +105,8 @@ def test_h5_store_reopens_its_handle_after_pickling(tmp_path):
 def test_mmap_store_pickles_without_its_mapped_data(tmp_path):
     import pickle
 
-    store = MmapStore(write_store(tmp_path / "pickled_bin", documents=[np.arange(50_000)], dtype="uint32"))
+    metadata = {**METADATA, "vocab_size": 50_000}  # ids up to 49_999
+    store = MmapStore(write_store(tmp_path / "pickled_bin", documents=[np.arange(50_000)], dtype="uint32", metadata=metadata))
     store.read("sequence", 0, 50_000)
     payload = pickle.dumps(store)
     assert len(payload) < 5_000  # the 200 kB of tokens stay in the file

@@ -19,14 +19,21 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("inputs", nargs="*", help=".txt / .jsonl files")
     parser.add_argument("--output", "-o", required=True, help="store path: NAME.h5, or a directory for .bin + meta.json")
     parser.add_argument("--tokenizer", required=True, help="AutoTokenizer hub id or local path")
-    parser.add_argument("--train-type", default="seq", choices=list(TRAIN_TYPE_KEYS))
+    parser.add_argument(
+        "--train-type", default="seq", choices=list(TRAIN_TYPE_KEYS),
+        help="seq: text; sft: records with messages (chat template), prompt + completion, or prompt + response; "
+        "dpo: prompt?, chosen, rejected; grpo: prompt, responses, rewards",
+    )
     parser.add_argument("--text-field", default="text", help="field holding the text (seq)")
     parser.add_argument("--dataset", default=None, help="datasets name or path to load instead of input files")
     parser.add_argument("--dataset-split", default="train")
     parser.add_argument("--num-proc", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=256, help="units per tokenizer call")
     parser.add_argument("--shard-tokens", type=int, default=None, help="start a new shard after this many tokens")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    parser.add_argument(
+        "--overwrite", action="store_true",
+        help="replace an existing output, only if it is a token store prepare wrote (never other files or an input)",
+    )
     parser.set_defaults(func=prepare_command)
 
 

@@ -27,6 +27,9 @@ BUILDER_MODULES: dict[str, str] = {
 }
 
 GENERATING_BUILDERS = {"titans_babilong"}
+# Builders that read nothing but the files named: a call naming none is refused instead of reading the working
+# directory.
+NAMED_FILES_BUILDERS = {"titans_tokens"}
 
 
 def source_hash() -> str:
@@ -67,6 +70,12 @@ def register_builders() -> None:
 
 def _packaged_module_without_data_files(resolve_module):
     def get_module(factory: datasets_load.PackagedDatasetModuleFactory) -> datasets_load.DatasetModule:
+        if factory.name in NAMED_FILES_BUILDERS and factory.data_files is None and factory.data_dir is None:
+            raise ValueError(
+                f"{factory.name} needs data_files naming its token stores (e.g. data_files='corpus.h5' or "
+                f"'corpus_bin/*'); none were given, and datasets would load whatever lies in the working directory "
+                f"{Path().resolve()}. Pass data_files, or data_dir to load the stores of a folder on purpose"
+            )
         if factory.name in GENERATING_BUILDERS and factory.data_files is None and factory.data_dir is None:
             module_path, code_hash = _PACKAGED_DATASETS_MODULES[factory.name]
             return datasets_load.DatasetModule(

@@ -3,27 +3,40 @@
 Inputs, per train type (one record per `.jsonl` line or `datasets` row; a `.txt` file is one document):
 
 - `seq`:  `.txt` files, or a text field (`text` by default)
-- `sft`:  `prompt`, `response`            -> `sequence`, `loss_mask` (1 on the response)
+- `sft`:  one of, detected per record (`SFT_FORMATS`; a field holding None counts as absent):
+          `messages` (a chat: `[{"role", "content"}, ...]`), `prompt` + `completion` (TRL's
+          prompt-completion), `prompt` + `response`  -> `sequence`, `loss_mask` (1 on what the
+          model should learn to write: the completion/response, or the assistant turns)
 - `dpo`:  `chosen`, `rejected` (+ `prompt`) -> `chosen`, `rejected`, `chosen_mask`, `rejected_mask`
                                               (the prompt, when given, leads both with mask 0)
-- `grpo`: `prompt`, `responses`, `rewards` -> `prompts`, `responses`, `masks`, `rewards` (float32)
+- `grpo`: `prompt`, `responses`, `rewards` -> `prompts`, `responses`, `masks`, `rewards` (float32);
+          at least one response per group, rewards finite
 
 Text is encoded without special tokens by the `AutoTokenizer` named (batched, optionally over
 `num_proc` processes); EOS ends every document, response and completion, so documents of one
-token stream stay separated. Ids are stored as uint16 when the vocabulary fits, else uint32.
+token stream stay separated. A chat is rendered by the tokenizer's chat template instead, which
+writes its own turn markers (no EOS is added): see `chat_tokens` for how the assistant turns are
+found. Ids are stored as uint16 when the vocabulary fits, else uint32.
+
 Outputs are written under temporary names and renamed only when complete; with `shard_tokens`
-they are split at record boundaries into `name-00000-of-00003.h5` style shards.
+they are split at record boundaries into `name-00000-of-00003.h5` style shards. Before any work,
+every output path is checked: `overwrite=True` replaces only a store prepare wrote (judged by
+its layout, `replaceable_store_problem`), never a folder of other files, and no output may be or
+hold an input of the same call. Input files are only ever read.
 """
 
 from __future__ import annotations
 
+import codecs
 import collections
 import functools
 import json
+import math
 import multiprocessing
 import os
 import re
 import shutil
+import uuid
 from multiprocessing.pool import ThreadPool
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
@@ -31,15 +44,30 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from titans_hf.data.stores import FLOAT_KEYS, STORE_WRITERS, StoreWriter, output_format, token_dtype
+from titans_hf.data.stores import (
+    STORE_WRITERS,
+    StoreWriter,
+    key_kind,
+    output_format,
+    replaceable_store_problem,
+    token_dtype,
+)
 from titans_hf.data.windows import TRAIN_TYPE_KEYS
 
 RECORD_FIELDS: dict[str, tuple[str, ...]] = {
     "seq": ("text",),
-    "sft": ("prompt", "response"),
     "dpo": ("chosen", "rejected"),
     "grpo": ("prompt", "responses", "rewards"),
 }
+# The record formats sft accepts, by the fields that make each one.
+SFT_FORMATS: dict[str, tuple[str, ...]] = {
+    "chat": ("messages",),
+    "prompt-completion": ("prompt", "completion"),
+    "prompt-response": ("prompt", "response"),
+}
+INPUT_SUFFIXES = (".txt", ".jsonl")
+# `{% generation %}` blocks mark what the assistant writes (transformers' return_assistant_tokens_mask).
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # Long documents are encoded in pieces of about this many characters, cut right after a newline
 # that precedes a letter or digit: a point where byte-level BPE pre-tokenizers (GPT-2, Qwen,
 # Llama 3) always split, so the ids equal those of encoding the document whole. `_cuts_are_exact`
@@ -74,32 +102,106 @@ def _pieces(text_blocks: Iterable[str], cut: bool) -> Iterator[str]:
         yield buffer
 
 
-def _read_blocks(path: Path) -> Iterator[str]:
-    with open(path, encoding="utf-8") as handle:
+def _utf8_problem(path: Path) -> str:
+    """Where `path` stops being UTF-8 (line and byte), found by decoding it again as bytes; for error messages."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = newlines = 0
+    with open(path, "rb") as handle:
         while block := handle.read(_READ_CHARS):
-            yield block
+            pending = len(decoder.getstate()[0])  # bytes of a character the previous block began
+            try:
+                decoder.decode(block)
+            except UnicodeDecodeError as error:
+                position = offset - pending + error.start
+                line = newlines + block[: max(position - offset, 0)].count(b"\n") + 1
+                return f"{path}:{line}: not valid UTF-8 (byte {position}: {error.reason}); input text must be UTF-8"
+            offset += len(block)
+            newlines += block.count(b"\n")
+    return f"{path}: not valid UTF-8 (it ends inside a character); input text must be UTF-8"
 
 
-def _check_record(record: Any, train_type: str, text_field: str, where: str) -> dict[str, Any]:
+def _read_blocks(path: Path) -> Iterator[str]:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            while block := handle.read(_READ_CHARS):
+                yield block
+    except UnicodeDecodeError as error:
+        raise ValueError(_utf8_problem(path)) from error
+
+
+def _storable_reward(reward: float) -> bool:
+    """Whether a reward survives as a finite float32 (NaN, infinities and 1e39 do not)."""
+    try:
+        value = float(reward)
+    except OverflowError:
+        return False
+    return math.isfinite(value) and abs(value) <= float(np.finfo(np.float32).max)
+
+
+def _string_fields(record: dict[str, Any], fields: Iterable[str], where: str) -> None:
+    for field in fields:
+        if not isinstance(record[field], str):
+            raise ValueError(f"{where}: field {field!r} must be a string, got {type(record[field]).__name__}")
+
+
+def _sft_record(record: dict[str, Any], where: str, tokenizer_name: str, chat_template: bool) -> dict[str, Any]:
+    """The sft unit of `record`: `{prompt, response}` for either text format, `{messages, where}` for a chat."""
+    present = {field for fields in SFT_FORMATS.values() for field in fields if record.get(field) is not None}
+    formats = [name for name, fields in SFT_FORMATS.items() if present.issuperset(fields)]
+    if not formats:
+        expected = " or ".join(str(list(fields)) for fields in SFT_FORMATS.values())
+        raise ValueError(f"{where}: an sft record needs the fields {expected}; it has {sorted(record)}")
+    if len(formats) > 1:
+        raise ValueError(f"{where}: the record has the fields of several sft formats {formats}; keep one")
+    if formats[0] != "chat":
+        answer = SFT_FORMATS[formats[0]][1]
+        _string_fields(record, ("prompt", answer), where)
+        return {"prompt": record["prompt"], "response": record[answer]}
+    messages = record["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: field 'messages' must be a non-empty list of {{'role', 'content'}} objects")
+    for index, message in enumerate(messages):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str) and isinstance(message.get("content"), str)):
+            raise ValueError(f"{where}: message {index} must be an object with string 'role' and 'content', got {message!r:.80}")
+    if not any(message["role"] == "assistant" for message in messages):
+        raise ValueError(f"{where}: the chat has no 'assistant' message, so nothing in it would carry loss")
+    if not chat_template:
+        raise ValueError(
+            f"{where}: a chat record ('messages') is rendered with the tokenizer's chat template, but tokenizer "
+            f"{tokenizer_name!r} has none (tokenizer.chat_template is unset); set one and save the tokenizer, "
+            "or write prompt/completion records"
+        )
+    return {"messages": messages, "where": where}
+
+
+def _check_record(
+    record: Any, train_type: str, text_field: str, where: str, tokenizer_name: str = "", chat_template: bool = False
+) -> dict[str, Any]:
+    """The record as an encoding unit, after checking it has what `train_type` needs (errors name `where`)."""
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if train_type == "sft":
+        return _sft_record(record, where, tokenizer_name, chat_template)
     fields = (text_field,) if train_type == "seq" else RECORD_FIELDS[train_type]
     missing = [field for field in fields if field not in record]
     if missing:
         raise ValueError(f"{where}: missing field(s) {missing} that train_type {train_type!r} needs")
-    strings = {"seq": fields, "sft": fields, "dpo": (*fields, *(["prompt"] if "prompt" in record else [])),
-               "grpo": ("prompt",)}[train_type]
-    for field in strings:
-        if not isinstance(record[field], str):
-            raise ValueError(f"{where}: field {field!r} must be a string, got {type(record[field]).__name__}")
+    strings = {"seq": fields, "dpo": (*fields, *(["prompt"] if "prompt" in record else [])), "grpo": ("prompt",)}[train_type]
+    _string_fields(record, strings, where)
     if train_type == "grpo":
         responses, rewards = record["responses"], record["rewards"]
         if not isinstance(responses, list) or not all(isinstance(response, str) for response in responses):
             raise ValueError(f"{where}: field 'responses' must be a list of strings")
+        if not responses:
+            raise ValueError(f"{where}: field 'responses' is empty; a grpo group needs at least one response")
         if not isinstance(rewards, list) or not all(
             isinstance(reward, (int, float)) and not isinstance(reward, bool) for reward in rewards
         ):
             raise ValueError(f"{where}: field 'rewards' must be a list of numbers")
+        if not all(_storable_reward(reward) for reward in rewards):
+            raise ValueError(
+                f"{where}: field 'rewards' holds {rewards}; rewards must be finite numbers float32 can hold (no NaN or infinity)"
+            )
         if len(rewards) != len(responses):
             raise ValueError(f"{where}: {len(responses)} responses but {len(rewards)} rewards")
     return record
@@ -114,7 +216,35 @@ def _input_paths(inputs: Any) -> list[Path] | None:
     return None
 
 
-def _records(inputs: Any, train_type: str) -> Iterator[tuple[str, Any]]:
+def _check_input_files(paths: list[Path], train_type: str) -> None:
+    """Refuse, before any work, an input that is missing, not a file, or of a kind `train_type` cannot read."""
+    for path in paths:
+        if path.is_dir():
+            raise ValueError(f"{path}: is a directory; pass the .txt/.jsonl files inside it")
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: input file not found")
+        if path.suffix not in INPUT_SUFFIXES:
+            raise ValueError(f"{path}: unsupported input; use .txt or .jsonl files, or a datasets.Dataset")
+        if path.suffix == ".txt" and train_type != "seq":
+            raise ValueError(f"{path}: a .txt file is one plain document; train_type {train_type!r} needs .jsonl")
+
+
+def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            for line_number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"{path}:{line_number}: not valid JSON ({error})") from error
+                yield f"{path}:{line_number}", record
+    except UnicodeDecodeError as error:
+        raise ValueError(_utf8_problem(path)) from error
+
+
+def _records(inputs: Any) -> Iterator[tuple[str, Any]]:
     """(where, record) pairs; `where` names the file and line (or row) for error messages.
 
     A `.txt` file's record is its path: the document is read in blocks, never whole.
@@ -125,39 +255,34 @@ def _records(inputs: Any, train_type: str) -> Iterator[tuple[str, Any]]:
             yield f"dataset row {row_number}", row
         return
     for path in paths:
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: input file not found")
         if path.suffix == ".txt":
-            if train_type != "seq":
-                raise ValueError(f"{path}: a .txt file is one plain document; train_type {train_type!r} needs .jsonl")
             yield str(path), path
-        elif path.suffix == ".jsonl":
-            with open(path, encoding="utf-8") as handle:
-                for line_number, line in enumerate(handle, start=1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as error:
-                        raise ValueError(f"{path}:{line_number}: not valid JSON ({error})") from error
-                    yield f"{path}:{line_number}", record
         else:
-            raise ValueError(f"{path}: unsupported input; use .txt or .jsonl files, or a datasets.Dataset")
+            yield from _jsonl_records(path)
 
 
-def _units(inputs: Any, train_type: str, text_field: str, cut: bool) -> Iterator[tuple[Any, int]]:
+def _unit_chars(unit: dict[str, Any]) -> int:
+    """Characters of text in a record unit: its string fields, or the contents of a chat's messages."""
+    if "messages" in unit:
+        return sum(len(message["content"]) for message in unit["messages"])
+    return sum(len(value) for value in unit.values() if isinstance(value, str))
+
+
+def _units(
+    inputs: Any, train_type: str, text_field: str, cut: bool, tokenizer_name: str = "", chat_template: bool = False
+) -> Iterator[tuple[Any, int]]:
     """Units of encoding work and their character counts (for progress).
 
     `seq` documents become `(piece, ends_document)` pairs so long documents stream through in
     pieces; the other types keep a record whole (its parts must stay aligned).
     """
-    for where, record in _records(inputs, train_type):
+    for where, record in _records(inputs):
         if isinstance(record, Path):
             blocks: Iterable[str] = _read_blocks(record)
         else:
-            record = _check_record(record, train_type, text_field, where)
+            record = _check_record(record, train_type, text_field, where, tokenizer_name, chat_template)
             if train_type != "seq":
-                yield record, sum(len(value) for value in record.values() if isinstance(value, str))
+                yield record, _unit_chars(record)
                 continue
             blocks = [record[text_field]]
         previous = None
@@ -186,6 +311,70 @@ def _init_worker(tokenizer_name: str) -> None:
     _worker_tokenizer = _load_tokenizer(tokenizer_name)
 
 
+def _render(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def _assistant_spans(tokenizer, messages: list[dict[str, Any]], where: str) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans of its assistant turns, found by rendering prefixes.
+
+    For assistant message i, the text of `messages[:i]` with the generation prompt ends where the
+    reply begins, and the text of `messages[:i + 1]` ends after the turn; both must be prefixes of
+    the whole conversation's text (a template that renders earlier turns differently once the
+    conversation goes on is refused). The span runs from the reply's start through the last
+    special token the turn holds (its end-of-turn marker, e.g. `<|im_end|>`), leaving out what the
+    template writes after it (a newline); a turn without one is labelled to its end.
+    """
+    full = _render(tokenizer, messages, False)
+    special = [token.content for token in tokenizer.added_tokens_decoder.values() if token.special]
+    spans = []
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before, through = _render(tokenizer, messages[:index], True), _render(tokenizer, messages[: index + 1], False)
+        if not (through.startswith(before) and full.startswith(through)):
+            raise ValueError(
+                f"{where}: the chat template of tokenizer {tokenizer.name_or_path!r} renders message {index} (assistant) "
+                "differently once the conversation goes on, so its tokens cannot be found by rendering prefixes; "
+                "use a template that marks assistant text with {% generation %} ... {% endgeneration %} (as TRL's "
+                "training templates do)"
+            )
+        reply = through[len(before) :]
+        end = max((reply.rfind(token) + len(token) for token in special if token and token in reply), default=len(reply))
+        spans.append((len(before), len(before) + end))
+    return full, spans
+
+
+def chat_tokens(tokenizer, messages: list[dict[str, Any]], where: str) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids of a conversation rendered by the tokenizer's chat template, and a mask that is 1 on assistant turns.
+
+    The labelled tokens are, per assistant turn, its content and the template's end-of-turn token
+    (TRL's `assistant_only_loss`). A template with `{% generation %}` blocks says itself which
+    text that is (transformers' `return_assistant_tokens_mask`); for any other template the turns
+    are found by rendering prefixes of the conversation (`_assistant_spans`), and every token whose
+    characters overlap a turn's span (offsets of a fast tokenizer) is labelled. The ids are those
+    of the rendered text tokenized without added special tokens, as `apply_chat_template` has them.
+    """
+    from jinja2 import TemplateError
+
+    try:
+        if _GENERATION_TAG.search(tokenizer.get_chat_template()):
+            encoded = tokenizer.apply_chat_template(messages, return_dict=True, return_assistant_tokens_mask=True)
+            ids, mask = np.array(encoded["input_ids"], np.int64), np.array(encoded["assistant_masks"], np.uint8)
+        else:
+            text, spans = _assistant_spans(tokenizer, messages, where)
+            encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            offsets = np.array(encoded["offset_mapping"], np.int64).reshape(-1, 2)
+            ids, mask = np.array(encoded["input_ids"], np.int64), np.zeros(len(offsets), np.uint8)
+            for start, stop in spans:
+                mask |= (offsets[:, 0] < stop) & (offsets[:, 1] > start)
+    except TemplateError as error:
+        raise ValueError(f"{where}: the chat template of tokenizer {tokenizer.name_or_path!r} failed: {error}") from error
+    if not mask.any():
+        raise ValueError(f"{where}: the chat template of tokenizer {tokenizer.name_or_path!r} marks no assistant tokens")
+    return ids, mask
+
+
 def _encode_batch(batch: tuple[str, list[Any], int], tokenizer=None) -> tuple[list[dict[str, Any]], int]:
     """Encode a batch of units with one batched tokenizer call; return store segments per unit."""
     train_type, units, chars = batch
@@ -199,7 +388,11 @@ def _encode_batch(batch: tuple[str, list[Any], int], tokenizer=None) -> tuple[li
     if train_type == "seq":
         plans = [take(piece) for piece, _ in units]
     elif train_type == "sft":
-        plans = [(take(unit["prompt"]), take(unit["response"])) for unit in units]
+        plans = [
+            chat_tokens(tokenizer, unit["messages"], unit["where"]) if "messages" in unit
+            else (take(unit["prompt"]), take(unit["response"]))
+            for unit in units
+        ]
     elif train_type == "dpo":
         plans = [
             (take(unit["prompt"]) if "prompt" in unit else None, take(unit["chosen"]), take(unit["rejected"]))
@@ -207,7 +400,7 @@ def _encode_batch(batch: tuple[str, list[Any], int], tokenizer=None) -> tuple[li
         ]
     else:
         plans = [(take(unit["prompt"]), [take(response) for response in unit["responses"]]) for unit in units]
-    ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"] if texts else []
     eos = np.array([tokenizer.eos_token_id], dtype=np.int64)
 
     def tokens(index: int | None, end: bool = False) -> np.ndarray:
@@ -223,7 +416,7 @@ def _encode_batch(batch: tuple[str, list[Any], int], tokenizer=None) -> tuple[li
         if train_type == "seq":
             encoded.append({"sequence": tokens(plan, end=unit[1]), "ends_document": unit[1]})
         elif train_type == "sft":
-            sequence, mask = labelled(tokens(plan[0]), tokens(plan[1], end=True))
+            sequence, mask = plan if "messages" in unit else labelled(tokens(plan[0]), tokens(plan[1], end=True))
             encoded.append({"sequence": sequence, "loss_mask": mask})
         elif train_type == "dpo":
             prompt = tokens(plan[0])
@@ -290,9 +483,53 @@ def _shard_paths(output: Path, count: int) -> list[Path]:
     return [output.with_name(_shard_name(output, f"{index:05d}", f"{count:05d}")) for index in range(count)]
 
 
-def _shard_name(output: Path, index: str, count: str) -> str:
+def _stem_and_suffix(output: Path) -> tuple[str, str]:
+    """`corpus.h5` -> (`corpus`, `.h5`); a bin directory keeps its whole name as the stem."""
     suffix = output.suffix if output_format(output) == "h5" else ""
-    return f"{output.name[: len(output.name) - len(suffix)]}-{index}-of-{count}{suffix}"
+    return output.name[: len(output.name) - len(suffix)], suffix
+
+
+def _shard_name(output: Path, index: str, count: str) -> str:
+    stem, suffix = _stem_and_suffix(output)
+    return f"{stem}-{index}-of-{count}{suffix}"
+
+
+def _protected_paths(inputs: Any) -> list[Path]:
+    """What this call reads, resolved: its input files, or the Arrow files behind a `datasets.Dataset`."""
+    paths = _input_paths(inputs)
+    if paths is None:
+        paths = [Path(entry["filename"]) for entry in getattr(inputs, "cache_files", None) or [] if "filename" in entry]
+    return [path.resolve() for path in paths]
+
+
+def _checked_outputs(output: Path, inputs: Any, overwrite: bool) -> list[Path]:
+    """Check what lies at the outputs and return the paths this call would replace: `output` and its shards
+    (`name-00000-of-00003...`) that exist.
+
+    Refused (prepare checks before any work, and again just before it replaces anything): an
+    output that is, or is a folder holding, an input of this call; an existing output without
+    `overwrite`; and, with it, any that is not a store prepare wrote.
+    """
+    stem, suffix = _stem_and_suffix(output)
+    shard = re.compile(re.escape(stem) + r"-\d{5}-of-\d{5}" + re.escape(suffix))
+    siblings = sorted(path for path in output.parent.iterdir() if shard.fullmatch(path.name)) if output.parent.is_dir() else []
+    existing = [path for path in [output, *siblings] if path.exists() or path.is_symlink()]
+    for path in [output, *existing]:
+        resolved = path.resolve()
+        for source in _protected_paths(inputs):
+            if source == resolved or source.is_relative_to(resolved):
+                what = "an input" if source == resolved else f"a folder holding the input {source}"
+                raise ValueError(f"{path}: the output is {what} of this call; choose another output")
+    if existing and not overwrite:
+        raise ValueError(f"{existing[0]}: output already exists; pass overwrite=True (--overwrite) to replace it")
+    for path in existing:
+        problem = replaceable_store_problem(path)
+        if problem is not None:
+            raise ValueError(
+                f"{path}: will not replace it, even with overwrite: {problem}, so it is not a token store prepare wrote; "
+                "remove it yourself or choose another output"
+            )
+    return existing
 
 
 def _replace_outputs(finished: list[Path], targets: list[Path], existing: list[Path]) -> None:
@@ -301,9 +538,8 @@ def _replace_outputs(finished: list[Path], targets: list[Path], existing: list[P
     The old outputs are set aside first (a bin store is a directory, which a rename cannot overwrite) and
     deleted only once every new output is in place; if a rename fails they come back, so nothing is lost.
     """
-    set_aside = [path.with_name(f".{path.name}.replaced") for path in existing]
+    set_aside = [path.with_name(f".{path.name}.replaced-{os.getpid()}-{uuid.uuid4().hex[:8]}") for path in existing]
     for path, aside in zip(existing, set_aside):
-        _remove(aside)
         os.replace(path, aside)
     try:
         for temp, target in zip(finished, targets):
@@ -340,6 +576,8 @@ def prepare(
 
     `inputs`: `.txt`/`.jsonl` paths or a `datasets.Dataset`. `tokenizer`: a hub id or local path
     for `AutoTokenizer`. `shard_tokens`: start a new shard once one holds this many tokens.
+    `overwrite`: replace an existing output, only if it is a store prepare wrote. Inputs and
+    outputs are checked before the tokenizer is loaded; errors name the file (and line) at fault.
     """
     if train_type not in TRAIN_TYPE_KEYS:
         raise ValueError(f"train_type must be one of {list(TRAIN_TYPE_KEYS)}, got {train_type!r}")
@@ -349,17 +587,17 @@ def prepare(
     if shard_tokens is not None and (not isinstance(shard_tokens, int) or shard_tokens < 1):
         raise ValueError(f"shard_tokens must be a positive integer or None, got {shard_tokens!r}")
     output = Path(output)
-    existing = [path for path in [output, *output.parent.glob(_shard_name(output, "*", "*"))] if path.exists()]
-    if existing and not overwrite:
-        raise ValueError(f"{existing[0]}: output already exists; pass overwrite=True (--overwrite) to replace it")
+    paths = _input_paths(inputs)
+    if paths is not None:
+        _check_input_files(paths, train_type)
+    _checked_outputs(output, inputs, overwrite)
     output.parent.mkdir(parents=True, exist_ok=True)
 
     tok = _load_tokenizer(tokenizer)
     vocab_size = len(tok)
     ids_dtype = token_dtype(vocab_size)
     dtypes = {
-        key: np.float32 if key in FLOAT_KEYS else (np.uint8 if key.endswith(("mask", "masks")) else ids_dtype)
-        for key in TRAIN_TYPE_KEYS[train_type]
+        key: {"float": np.float32, "mask": np.uint8, "token": ids_dtype}[key_kind(key)] for key in TRAIN_TYPE_KEYS[train_type]
     }
     metadata = {
         "train_type": train_type,
@@ -369,11 +607,11 @@ def prepare(
         "pad_token_id": tok.pad_token_id,
     }
     writer_class = STORE_WRITERS[output_format(output)]
-    paths = _input_paths(inputs)
     # File sizes in bytes bound the characters from above: the bar may stop a little short of 100%.
     total_chars = sum(path.stat().st_size for path in paths if path.is_file()) if paths is not None else None
     progress = tqdm(total=total_chars, unit="char", unit_scale=True, desc=f"prepare {output.name}")
-    batches = _batches(_units(inputs, train_type, text_field, _cuts_are_exact(tok)), train_type, batch_size)
+    units = _units(inputs, train_type, text_field, _cuts_are_exact(tok), str(tokenizer), bool(tok.chat_template))
+    batches = _batches(units, train_type, batch_size)
 
     writers: list[StoreWriter] = []
     finished: list[Path] = []
@@ -400,7 +638,8 @@ def prepare(
         if not finished:
             raise ValueError(f"{inputs}: no records to prepare (all inputs empty)")
         targets = _shard_paths(output, len(finished))
-        _replace_outputs(finished, targets, existing)
+        # Checked again: what lies at the outputs may have changed while the inputs were encoded.
+        _replace_outputs(finished, targets, _checked_outputs(output, inputs, overwrite))
         return targets
     except BaseException:
         for writer in writers:

@@ -6,8 +6,13 @@
 `data_files` name `.h5` stores or any file of a bin store (`meta.json`, `<key>.bin`); each store is
 read lazily and its examples (see `TokenExamples`) are written to the Arrow cache in window
 ranges, which are the shards `num_proc` and streaming split the work over. The cache key holds
-every config value and, beyond the data files' own mtimes, the size and mtime of every file of
-each store, so touching a `.bin` beside a listed `meta.json` rebuilds too.
+every config value, beyond the data files' own mtimes the size and mtime of every file of each
+store (touching a `.bin` beside a listed `meta.json` rebuilds too), and each store's metadata and
+per-key content checksums (`store_contents`), so a store replaced by one of the same sizes and
+mtimes rebuilds as well. `vocab_size` (the model's) refuses stores holding larger ids up front.
+
+`data_files` (or `data_dir`) must be given: `datasets` would otherwise hand the builder whatever files lie
+in the working directory; `titans_hf.data` refuses such a call before it resolves any file.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import datasets
+import datasets.load
 import numpy as np
 import pyarrow as pa
 from datasets.builder import Key
@@ -73,13 +79,28 @@ def store_fingerprint(roots: Iterable[Path]) -> list[tuple[str, int, int]]:
     return [(str(file), file.stat().st_size, file.stat().st_mtime_ns) for file in files]
 
 
+def store_contents(roots: Iterable[Path]) -> list[tuple[str, dict[str, Any], dict[str, tuple[str, str]]]]:
+    """Per store: its metadata and, per key, dtype and `key_checksum` (values and offsets).
+
+    The checksums are those recorded at prepare (cheap: the store is opened, not read); a store
+    written before they were recorded is hashed whole, every time, which is slower but still right.
+    """
+    contents = []
+    for root in roots:
+        with open_store(root) as store:
+            keys = {key: (store.dtypes[key].str, store.checksum(key)) for key in store.keys}
+            contents.append((str(root), store.metadata, keys))
+    return contents
+
+
 @dataclass
 class TitansTokensConfig(datasets.BuilderConfig):
     """Plain values only, so the Arrow cache key changes exactly when an input changes.
 
     `window_size`, `stride` (default: `window_size`), `pad_tail` and `respect_document_boundaries`
     apply to `seq` and `sft`; `dpo` and `grpo` yield whole records. `pad_token_id` defaults to the
-    store's pad (or eos) id.
+    store's pad (or eos) id. `vocab_size`: the model's vocabulary; a store holding an id at or above
+    it is refused before any row is built (see `TokenExamples`).
     """
 
     train_type: str = "seq"
@@ -88,6 +109,7 @@ class TitansTokensConfig(datasets.BuilderConfig):
     pad_tail: bool = False
     respect_document_boundaries: bool = False
     pad_token_id: int | None = None
+    vocab_size: int | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -97,7 +119,8 @@ class TitansTokensConfig(datasets.BuilderConfig):
     def create_config_id(self, config_kwargs: dict, custom_features: datasets.Features | None = None) -> str:
         if self.data_files is not None:
             files = [file for split_files in self.data_files.values() for file in split_files]
-            config_kwargs = {**config_kwargs, "store_files": store_fingerprint(store_roots(files))}
+            roots = store_roots(files)
+            config_kwargs = {**config_kwargs, "store_files": store_fingerprint(roots), "store_contents": store_contents(roots)}
         return super().create_config_id(config_kwargs, custom_features=custom_features)
 
 
@@ -146,6 +169,7 @@ class TitansTokens(datasets.ArrowBasedBuilder):
             pad_tail=config.pad_tail,
             respect_document_boundaries=config.respect_document_boundaries,
             pad_token_id=config.pad_token_id,
+            vocab_size=config.vocab_size,
         )
 
     def _split_generators(self, dl_manager) -> list[datasets.SplitGenerator]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from titans_hf.data.stores import TokenStore
+from titans_hf.data.stores import MAX_TOKEN_ID, TokenStore, key_kind
 
 TRAIN_TYPE_KEYS: dict[str, tuple[str, ...]] = {
     "seq": ("sequence",),
@@ -101,6 +101,10 @@ class TokenExamples:
       `rejected`: one whole pair per row, labels -100 where the mask is 0.
     - `grpo`: `prompt_ids`, `completion_ids` (one list per response), `completion_mask`,
       `rewards` (float32): one whole group per row.
+
+    `vocab_size` (the model's, e.g. `len(tokenizer)` or `config.vocab_size`) checks, before any
+    example is made, that every token id the store holds, and the padding id, is below it: the
+    store's recorded maximum per key, or one scan of the key for a store that records none.
     """
 
     def __init__(
@@ -112,6 +116,7 @@ class TokenExamples:
         pad_tail: bool = False,
         respect_document_boundaries: bool = False,
         pad_token_id: int | None = None,
+        vocab_size: int | None = None,
     ):
         if train_type not in TRAIN_TYPE_KEYS:
             raise ValueError(f"train_type must be one of {list(TRAIN_TYPE_KEYS)}, got {train_type!r}")
@@ -122,6 +127,8 @@ class TokenExamples:
             )
         self.store, self.train_type = store, train_type
         self._check_records_aligned()
+        if vocab_size is not None:
+            self._check_vocabulary(_positive_int(vocab_size, "vocab_size"))
         if train_type not in WINDOWED_TRAIN_TYPES:
             if window_size is not None or stride is not None or pad_tail or respect_document_boundaries:
                 raise ValueError(
@@ -148,7 +155,23 @@ class TokenExamples:
             pad = pad if pad is not None else store.metadata.get("eos_token_id")
             if pad is None:
                 raise ValueError(f"{store.path}: pad_tail=True needs pad_token_id (the store records no pad or eos id)")
+            # Below the model's vocabulary when given, else below the store's own.
+            limit = min(vocab_size or store.metadata.get("vocab_size") or MAX_TOKEN_ID + 1, MAX_TOKEN_ID + 1)
+            if isinstance(pad, bool) or not isinstance(pad, (int, np.integer)) or not 0 <= pad < limit:
+                raise ValueError(f"{store.path}: pad_token_id must be a token id in [0, {limit - 1}], got {pad!r}")
             self.pad_token_id = int(pad)
+
+    def _check_vocabulary(self, vocab_size: int) -> None:
+        """Refuse a store holding token ids at or above `vocab_size`, naming the store, the key and the id."""
+        store = self.store
+        for key in TRAIN_TYPE_KEYS[self.train_type]:
+            value_range = store.value_range(key) if key_kind(key) == "token" else None
+            if value_range is not None and value_range[1] >= vocab_size:
+                raise ValueError(
+                    f"{store.path}: key {key!r} holds token id {value_range[1]}, but the vocabulary has {vocab_size} ids "
+                    f"(0..{vocab_size - 1}); the store was prepared with tokenizer {store.metadata.get('tokenizer')!r} "
+                    f"(vocab_size {store.metadata.get('vocab_size')})"
+                )
 
     def _check_records_aligned(self) -> None:
         store = self.store
@@ -184,6 +207,9 @@ class TokenExamples:
                 raise ValueError(
                     f"{store.path}: {store.total_length('rewards')} rewards but {store.num_segments('responses')} responses"
                 )
+            empty = np.flatnonzero(store.segment_lengths("rewards") == 0)
+            if empty.size:
+                raise ValueError(f"{store.path}: grpo record {int(empty[0])} has no responses; a group needs at least one")
 
     def __len__(self) -> int:
         return self._count
