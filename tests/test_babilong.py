@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -305,7 +304,16 @@ def test_scoring():
     question = "Where was the milk before the kitchen? "
     assert score_label_substring("garden, before the kitchen", "garden", labels, question=question)
     assert not score_label_substring("garden, before the kitchen", "garden", labels)
-    assert set(babilong.TASK_LABELS) == {"qa1", "qa2", "qa3"} and sorted(labels) == LOCATIONS
+    # BABILong's own label sets (booydar/babilong, babilong/metrics.py); other tasks use the rows' targets
+    assert sorted(labels) == LOCATIONS and babilong.TASK_LABELS["qa4"] == LOCATIONS
+    assert set(babilong.TASK_LABELS) == {"qa1", "qa2", "qa3", "qa4", "qa5", "qa6", "qa7", "qa9", "qa10"}
+    assert sorted(babilong.TASK_LABELS["qa5"]) == ["Bill", "Fred", "Jeff", "Mary", "apple", "football", "milk"]
+    assert babilong.TASK_LABELS["qa7"] == ["none", "one", "two"] and babilong.TASK_LABELS["qa10"] == ["maybe", "no", "yes"]
+    rows = [{"target": "Yes"}, {"target": " no"}, {"target": "yes"}]
+    assert babilong.task_labels("qa6", rows) == (["no", "yes"], babilong.LABELS_FROM_BABILONG)
+    assert babilong.task_labels("qa18", rows) == (["no", "yes"], babilong.LABELS_FROM_TARGETS)
+    # qa5's labels are names and objects, scored case-blind
+    assert score_label_substring("Fred gave it.", "Fred", babilong.TASK_LABELS["qa5"])
 
 
 def test_dataset_card_names_the_settings(tmp_path):

@@ -41,6 +41,7 @@ def test_generated_rows_are_the_generator_rows_assembled_and_split(tmp_path, tin
         assert dataset[split].num_rows == len(indices)
         for got, index in zip(dataset[split], indices):
             expected = build_example(rows[index], tokenizer, 224, 8)
+            assert expected.pop("answer_tokens_cut") == 0
             assert {key: got[key] for key in expected} == expected
             assert (got["question"], got["task"], got["length"]) == (rows[index]["question"], "qa1", 150)
             assert len(got["input_ids"]) == 224
@@ -128,7 +129,11 @@ def test_bad_configurations_are_errors(tmp_path, tiny_tokenizer_dir):
         prepare(tmp_path, task="qa1", length=100, tokenizer=str(tiny_tokenizer_dir), max_length=200)
     with pytest.raises(ValueError, match="answer_reserve_tokens=300"):
         TitansBabilong(cache_dir=str(tmp_path), tokenizer="x", max_length=200, answer_reserve_tokens=300)
-    TitansBabilong(cache_dir=str(tmp_path), tokenizer="x", task="qa7")  # a label for data files: any task name
+    TitansBabilong(cache_dir=str(tmp_path), tokenizer=str(tiny_tokenizer_dir), task="qa7")  # a data-file label
+    with pytest.raises(ValueError, match="cannot load tokenizer 'no/such-tokenizer'"):
+        TitansBabilong(cache_dir=str(tmp_path), tokenizer="no/such-tokenizer", task="qa1")
+    with pytest.raises(ValueError, match="length='long' is not a length"):
+        TitansBabilong(cache_dir=str(tmp_path), tokenizer=str(tiny_tokenizer_dir), length="long")
     with pytest.raises(ValueError, match=r"generates \['qa1', 'qa2', 'qa3'\], not task='qa7'"):
         prepare(tmp_path, task="qa7", length=100, num_samples=4, tokenizer=str(tiny_tokenizer_dir), max_length=200)
 

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from titans_hf.commands import main as cli_main
-from titans_hf.tasks.babilong import TASK_LABELS, generate_babilong, score_exact_match, write_babilong_json
+from titans_hf.tasks.babilong import TASK_LABELS, generate_babilong, write_babilong_json
 from titans_hf.evaluation import (
     _prompt_ids,
     babilong_files_by_task_length,
@@ -99,12 +99,18 @@ def test_babilong_files_are_keyed_by_folder_and_stem(tmp_path):
     row = _row("Mary went to the kitchen.", "Where is Mary? ", "kitchen")
     first = write_babilong_json([row], tmp_path / "qa1" / "32k.json")
     second = write_babilong_json([row], tmp_path / "qa2" / "0k.json")
-    assert babilong_files_by_task_length([first, second]) == {("qa1", "32k"): first, ("qa2", "0k"): second}
+    assert babilong_files_by_task_length([first, second]) == {("qa1", "32k"): (first,), ("qa2", "0k"): (second,)}
     stray = write_babilong_json([row], tmp_path / "stories" / "32k.json")
-    with pytest.raises(ValueError, match="stories.*must be one of"):
+    with pytest.raises(ValueError, match=r"stories/32k\.json: its path does not say its task"):
         babilong_files_by_task_length([stray])
+    # a single --tasks names it; a filter keeps only what it names
+    assert babilong_files_by_task_length([stray], tasks=["qa4"]) == {("qa4", "32k"): (stray,)}
+    assert babilong_files_by_task_length([first, second], tasks=["qa2"]) == {("qa2", "0k"): (second,)}
     with pytest.raises(FileNotFoundError, match="missing.json"):
         babilong_files_by_task_length([tmp_path / "qa1" / "missing.json"])
+    duplicate = write_babilong_json([row], tmp_path / "again" / "qa1" / "32k.json")
+    with pytest.raises(ValueError, match="are both task qa1 length 32k"):
+        babilong_files_by_task_length([first, duplicate])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -253,8 +259,6 @@ def test_bad_inputs_are_refused(tiny_qwen3_dir):
     with pytest.raises(ValueError, match="memory_disabled"):
         evaluate_babilong(base, tokenizer, {("qa1", 8): [row]}, show_progress=False)
     model = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, **MEMORY_SETTINGS)
-    with pytest.raises(ValueError, match="'qa9'"):
-        evaluate_babilong(model, tokenizer, {("qa9", 8): [row]}, show_progress=False)
     with pytest.raises(ValueError, match="row 0 lacks \\['target'\\]"):
         evaluate_babilong(model, tokenizer, {("qa1", 8): [{"input": "x", "question": "y"}]}, show_progress=False)
     with pytest.raises(ValueError, match="batch_size=0"):
@@ -307,3 +311,50 @@ def test_eval_command_on_generated_rows_and_on_files(tiny_qwen3_dir, tmp_path, c
         cli_main(["eval", "--model", str(tiny_qwen3_dir), "--generate", "--lengths", "72", "--output", str(out)])
     with pytest.raises(ValueError, match="needs --lengths"):
         cli_main(["eval", "--model", str(memory_dir), "--generate", "--output", str(out)])
+
+
+def test_mixed_length_batches_answer_as_each_row_alone(tiny_qwen3_dir, tmp_path):
+    """Rows of different lengths share a batch, left-padded by whole multiples of the model's padding_multiple,
+    and every answer is the answer of the row alone; the memory matters (W_O perturbed off zero) and the prompts
+    span several chunks, so a misplaced chunk boundary would show."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    model = _memory_model(tiny_qwen3_dir, seed=3, chunk_size=8, memory_chunk_size=4)
+    assert model.padding_multiple == 8
+    rows = generate_babilong("qa1", 16, 0, tokenizer, seed=8)  # bare stories: 2 to 10 facts, prompts of many lengths
+    lengths = [len(_prompt_ids(row, tokenizer)) for row in rows]
+    assert min(lengths) > 2 * 8 and len(set(lengths)) > 6
+    calls = []
+    generate = model.generate
+
+    def recording_generate(*args, **kwargs):
+        calls.append(kwargs["attention_mask"].clone())
+        return generate(*args, **kwargs)
+
+    model.generate = recording_generate
+    data = {("qa1", "0k"): rows}
+    one = evaluate_babilong(model, tokenizer, data, max_new_tokens=3, batch_size=1, ablation=False,
+                            output_dir=tmp_path / "one", show_progress=False)
+    assert len(calls) == len(rows) and all(bool(mask.all()) for mask in calls)
+    calls.clear()
+    many = evaluate_babilong(model, tokenizer, data, max_new_tokens=3, batch_size=4, ablation=False,
+                             output_dir=tmp_path / "many", show_progress=False)
+    assert (tmp_path / "one" / "predictions.jsonl").read_text() == (tmp_path / "many" / "predictions.jsonl").read_text()
+    assert one == many
+    padded = [mask for mask in calls if not bool(mask.all())]
+    assert padded, "no batch mixed prompt lengths"
+    for mask in calls:
+        padding = (mask == 0).sum(dim=1)
+        assert all(int(count) % 8 == 0 for count in padding)  # whole multiples of padding_multiple
+        assert bool((mask.cumsum(dim=1) > 0).eq(mask.bool()).all())  # padding on the left only
+    assert len(calls) < len(set(lengths))  # fewer generate calls than batches of equal length would need
+    answers = [json.loads(line)["memory"] for line in (tmp_path / "one" / "predictions.jsonl").read_text().splitlines()]
+    assert len(set(answers)) > 1
+
+    # equal-length batching on request, and for a model without padding_multiple
+    calls.clear()
+    exact = evaluate_babilong(model, tokenizer, data, max_new_tokens=3, batch_size=4, ablation=False,
+                              show_progress=False, mixed_length_batches=False)
+    assert exact == one and all(bool(mask.all()) for mask in calls)
+    base = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir)
+    with pytest.raises(ValueError, match="mixed_length_batches=True needs a model with padding_multiple"):
+        evaluate_babilong(base, tokenizer, data, ablation=False, show_progress=False, mixed_length_batches=True)

@@ -18,12 +18,16 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from titans_hf.tasks.babilong import (
-    TASK_LABELS,
+    LABELS_FROM_TARGETS,
+    REQUIRED_FIELDS,
     build_example,
+    find_babilong_sources,
     last_location_baseline,
     last_mentioned_label,
-    read_babilong_json,
+    read_babilong_file,
+    read_babilong_files,
     score_predictions,
+    task_labels,
 )
 from titans_hf.utils import atomic_write, atomic_write_text, resolve_pad_token_id
 
@@ -33,46 +37,48 @@ PREDICTIONS_NAME = "predictions.jsonl"
 # No truncation at evaluation: the whole story is the test. build_example wants a budget; this one never binds.
 _UNBOUNDED_LENGTH = 1 << 62
 
-BabilongData = Mapping[tuple[str, int | str], Sequence[Mapping[str, str]] | str | os.PathLike]
+PathLike = str | os.PathLike
+BabilongData = Mapping[tuple[str, int | str], Sequence[Mapping[str, str]] | PathLike | Sequence[PathLike]]
 
 
 # ----------------------------------------------------------------------------------------------
 # Data
 
 
-def babilong_files_by_task_length(paths: Sequence[str | os.PathLike]) -> dict[tuple[str, str], Path]:
-    """Key BABILong JSON files by (task, length) read from their path, as the public set lays them out:
-    `.../qa1/32k.json` is task "qa1" at length "32k"."""
-    keyed: dict[tuple[str, str], Path] = {}
-    for raw in paths:
-        path = Path(raw)
-        if not path.is_file():
-            raise FileNotFoundError(f"BABILong file {path} does not exist")
-        task, length = path.parent.name, path.stem
-        if task not in TASK_LABELS:
-            raise ValueError(
-                f"BABILong file {path}: its folder names the task and must be one of {sorted(TASK_LABELS)} "
-                f"(e.g. qa1/32k.json), got {task!r}"
-            )
-        if (task, length) in keyed:
-            raise ValueError(f"BABILong files {keyed[(task, length)]} and {path} are both task {task} length {length}")
-        keyed[(task, length)] = path
+def babilong_files_by_task_length(
+    paths: Sequence[PathLike], tasks: Sequence[str] | None = None, lengths: Sequence[str | int] | None = None
+) -> dict[tuple[str, str], tuple[Path, ...]]:
+    """Key BABILong files by (task, length label) as the published layouts name them, for `evaluate_babilong`.
+
+    `paths` are files or folders (e.g. a snapshot of `RMT-team/babilong`: `32k/qa1-00000-of-00001.parquet` is task
+    "qa1" at length "32k"; `qa1/32k.json` too); the shards of one set come together, in order. `tasks` / `lengths`
+    keep only those sets and label a file whose path does not say (see `find_babilong_sources`). Two sets with the
+    same labels are an error naming both.
+    """
+    keyed: dict[tuple[str, str], tuple[Path, ...]] = {}
+    for source in find_babilong_sources(paths, tasks, lengths, require_labels=True):
+        key = (source.task, source.length)
+        if key in keyed:
+            raise ValueError(f"BABILong files {[str(p) for p in keyed[key]]} and {[str(p) for p in source.paths]} "
+                             f"are both task {source.task} length {source.length}")
+        keyed[key] = source.paths
     return keyed
 
 
 def _resolve_rows(task: str, length: int | str, source) -> list[Mapping[str, str]]:
-    if task not in TASK_LABELS:
-        raise ValueError(f"evaluate_babilong: task {task!r} (length {length}) is not one of {sorted(TASK_LABELS)}")
+    """The rows of one cell: read from a file or the files of one set, or checked when given as rows."""
     if isinstance(source, (str, os.PathLike)):
-        return read_babilong_json(source)
-    rows = list(source)
-    if not rows:
+        return read_babilong_file(source)
+    items = list(source)
+    if items and all(isinstance(item, (str, os.PathLike)) for item in items):
+        return read_babilong_files(items)
+    if not items:
         raise ValueError(f"evaluate_babilong: no rows for task {task!r} length {length!r}")
-    for index, row in enumerate(rows):
-        missing = [field for field in ("input", "question", "target") if field not in row]
+    for index, row in enumerate(items):
+        missing = [field for field in REQUIRED_FIELDS if field not in row]
         if missing:
             raise ValueError(f"evaluate_babilong: task {task!r} length {length!r} row {index} lacks {missing}")
-    return rows
+    return items
 
 
 def _prompt_ids(row: Mapping[str, str], tokenizer) -> list[int]:
@@ -81,21 +87,34 @@ def _prompt_ids(row: Mapping[str, str], tokenizer) -> list[int]:
     return example["input_ids"][: example["prompt_length"]]
 
 
-def _equal_length_batches(prompts: Sequence[list[int]], batch_size: int) -> list[list[int]]:
-    """Row indices in batches of prompts of identical length.
+def _batches(prompts: Sequence[list[int]], batch_size: int, padding_multiple: int | None) -> list[list[int]]:
+    """Row indices in batches whose answers equal those of each row alone.
 
-    Padding is not neutral for this model: the stream is cut into chunks at absolute positions, so left
-    padding would move every chunk boundary of a shorter row and change what it computes. Only rows of the
-    same length share a batch, which keeps every answer independent of its batch companions.
+    A TitansQwen cuts the stream into chunks at absolute positions, so left padding moves a row's chunk
+    boundaries unless it is a whole multiple of the model's `padding_multiple` (then the padded chunks leave the
+    memory untouched). Rows are therefore grouped by `len % padding_multiple`, sorted by length inside a group (a
+    batch is padded to its longest row, so neighbours in length waste little), and cut into batches. Without a
+    `padding_multiple` (a plain model, whose outputs padding changes in the last bits) only prompts of identical
+    length share a batch.
     """
-    by_length: dict[int, list[int]] = {}
+    groups: dict[int, list[int]] = {}
     for index, prompt in enumerate(prompts):
-        by_length.setdefault(len(prompt), []).append(index)
-    return [
-        indices[start : start + batch_size]
-        for _, indices in sorted(by_length.items())
-        for start in range(0, len(indices), batch_size)
-    ]
+        key = len(prompt) % padding_multiple if padding_multiple else len(prompt)
+        groups.setdefault(key, []).append(index)
+    batches = []
+    for _, indices in sorted(groups.items()):
+        indices.sort(key=lambda index: len(prompts[index]))
+        batches += [indices[start : start + batch_size] for start in range(0, len(indices), batch_size)]
+    return batches
+
+
+def _padding_multiple(model, mixed_length_batches: bool | None) -> int | None:
+    """The left-padding unit batches may use (None: equal lengths only), from the model's `padding_multiple`."""
+    multiple = getattr(model, "padding_multiple", None)
+    if mixed_length_batches and multiple is None:
+        raise ValueError(f"mixed_length_batches=True needs a model with padding_multiple (a TitansQwenForCausalLM), "
+                         f"got {type(model).__name__}")
+    return multiple if mixed_length_batches in (None, True) else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -117,13 +136,22 @@ def _generation_config(model, tokenizer, max_new_tokens: int) -> GenerationConfi
     )
 
 
+def _left_padded(prompts: Sequence[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) of prompts left-padded with `pad_id` to the longest; the mask is 0 on padding."""
+    longest = max(map(len, prompts))
+    input_ids = [[pad_id] * (longest - len(prompt)) + list(prompt) for prompt in prompts]
+    mask = [[0] * (longest - len(prompt)) + [1] * len(prompt) for prompt in prompts]
+    return (torch.tensor(input_ids, dtype=torch.long, device=device),
+            torch.tensor(mask, dtype=torch.long, device=device))
+
+
 def _generate_answers(model, tokenizer, prompts, batches, generation_config, progress) -> list[str]:
+    """Greedy answers of `prompts`, one `generate` call per batch of row indices, in the rows' order."""
     answers: list[str] = [""] * len(prompts)
     for batch in batches:
-        input_ids = torch.tensor([prompts[i] for i in batch], dtype=torch.long, device=model.device)
-        output = model.generate(
-            input_ids=input_ids, attention_mask=torch.ones_like(input_ids), generation_config=generation_config
-        )
+        input_ids, attention_mask = _left_padded([prompts[i] for i in batch], generation_config.pad_token_id,
+                                                 model.device)
+        output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config)
         texts = tokenizer.batch_decode(output[:, input_ids.shape[1] :], skip_special_tokens=True)
         for index, text in zip(batch, texts):
             answers[index] = text
@@ -133,6 +161,25 @@ def _generate_answers(model, tokenizer, prompts, batches, generation_config, pro
 
 # ----------------------------------------------------------------------------------------------
 # Outputs
+
+
+def prepare_output_dir(path: PathLike) -> Path:
+    """The output folder, created if needed and checked writable, before any long work: an existing file there,
+    or a folder that cannot be written, is an error naming it now rather than after every answer was generated."""
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise NotADirectoryError(f"output {folder} is an existing file, not a folder for {RESULTS_NAME}, "
+                                 f"{HEATMAP_NAME} and {PREDICTIONS_NAME}")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise OSError(f"output folder {folder} cannot be created: {error}") from error
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise PermissionError(f"output folder {folder} is not writable")
+    for name in (RESULTS_NAME, HEATMAP_NAME, PREDICTIONS_NAME):
+        if (folder / name).is_dir():
+            raise IsADirectoryError(f"output {folder / name} is a folder; it would be written as a file")
+    return folder
 
 
 def plot_heatmap(results: Mapping[str, Any], path: str | os.PathLike) -> Path:
@@ -183,23 +230,32 @@ def evaluate_babilong(
     output_dir: str | os.PathLike | None = None,
     ablation: bool = True,
     show_progress: bool = True,
+    mixed_length_batches: bool | None = None,
 ) -> dict[str, Any]:
     """Answer BABILong rows greedily and score them per (task, length), with the memory on and, when
     `ablation`, again on the same weights inside `model.memory_disabled()`.
 
-    `data` maps (task, length) to rows ({"input", "question", "target"} dicts, e.g. from `generate_babilong`) or
-    to a BABILong JSON file (see `babilong_files_by_task_length`); its order is the order of the results and of
-    the heatmap. Returns (and, with `output_dir`, writes as results.json beside heatmap.png and the per-row
-    predictions.jsonl):
+    `data` maps (task, length) to rows ({"input", "question", "target"} dicts, e.g. from `generate_babilong`), to
+    a BABILong file (parquet, JSON, JSON Lines) or to the files of one set (its shards; see
+    `babilong_files_by_task_length`); its order is the order of the results and of the heatmap. Any task name is
+    scored: against BABILong's label set of the task where it publishes one, else against the distinct targets of
+    the cell's rows ("labels_from" says which). Returns (and, with `output_dir`, writes as results.json beside
+    heatmap.png and the per-row predictions.jsonl):
 
         {"metric": "exact_match",
          "accuracy": {task: {length: {"memory": acc, "no_memory": acc}}},      # the model card's table
-         "details": {task: {length: {"num_samples", "prompt_tokens": {"min", "max", "mean"}, "chance",
-                                     "last_location_baseline", "num_not_last_location",
+         "details": {task: {length: {"num_samples", "prompt_tokens": {"min", "max", "mean"}, "labels",
+                                     "labels_from", "chance", "last_location_baseline", "num_not_last_location",
                                      "memory": {"exact_match", "label_substring", "exact_match_not_last_location"},
                                      "no_memory": {...same...}}}}}
 
-    Lengths are JSON keys, hence strings. "no_memory" entries exist only with `ablation`.
+    Lengths are JSON keys, hence strings (a published label such as "32k" stays as it is). "no_memory" entries
+    exist only with `ablation`.
+
+    Batches of up to `batch_size` rows answer exactly as each row alone: with a model that has `padding_multiple`
+    (a TitansQwen) rows of mixed lengths are left-padded by whole multiples of it (`mixed_length_batches=None` or
+    True; False keeps to prompts of equal length), otherwise only prompts of equal length share a batch.
+    `output_dir` is checked (and created) before any answer is generated.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
@@ -210,6 +266,8 @@ def evaluate_babilong(
                          f"got {type(model).__name__}")
     if not data:
         raise ValueError("evaluate_babilong: data is empty; give rows or files per (task, length)")
+    padding_multiple = _padding_multiple(model, mixed_length_batches)
+    folder = None if output_dir is None else prepare_output_dir(output_dir)
     cells = [(task, length, _resolve_rows(task, length, source)) for (task, length), source in data.items()]
     generation_config = _generation_config(model, tokenizer, max_new_tokens)
     modes = ["memory", "no_memory"] if ablation else ["memory"]
@@ -221,9 +279,9 @@ def evaluate_babilong(
     try:
         with tqdm(total=total, desc="BABILong eval", unit="answer", disable=not show_progress) as progress:
             for task, length, rows in cells:
-                labels = TASK_LABELS[task]
+                labels, labels_from = task_labels(task, rows)
                 prompts = [_prompt_ids(row, tokenizer) for row in rows]
-                batches = _equal_length_batches(prompts, batch_size)
+                batches = _batches(prompts, batch_size, padding_multiple)
                 answers: dict[str, list[str]] = {}
                 for mode in modes:
                     progress.set_description(f"{task} {length} {mode.replace('_', ' ')}")
@@ -243,6 +301,8 @@ def evaluate_babilong(
                         "max": max(map(len, prompts)),
                         "mean": sum(map(len, prompts)) / len(prompts),
                     },
+                    "labels": labels,
+                    "labels_from": labels_from,
                     "chance": 1 / len(labels),
                     "last_location_baseline": baseline["accuracy"],
                     "num_not_last_location": baseline["num_not_last_location"],
@@ -259,9 +319,9 @@ def evaluate_babilong(
     finally:
         model.train(was_training)
 
-    if output_dir is not None:
-        folder = Path(output_dir)
-        folder.mkdir(parents=True, exist_ok=True)
+    if folder is not None:
+        # an older results.json would vouch for the new files until the new one lands: it goes first
+        (folder / RESULTS_NAME).unlink(missing_ok=True)
         atomic_write_text(folder / PREDICTIONS_NAME, "\n".join(prediction_lines) + "\n")
         plot_heatmap(results, folder / HEATMAP_NAME)
         # last: results.json present means the whole evaluation finished
@@ -287,7 +347,12 @@ def format_results_table(results: Mapping[str, Any]) -> str:
                 percent(no_memory.get("exact_match_not_last_location")),
             ])
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines)
+    table = "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines)
+    derived = [f"{task} {length}" for task, per_length in results["details"].items()
+               for length, cell in per_length.items() if cell.get("labels_from") == LABELS_FROM_TARGETS]
+    if derived:
+        table += f"\nlabels of {', '.join(derived)}: {LABELS_FROM_TARGETS}"
+    return table
 
 
 # ----------------------------------------------------------------------------------------------
@@ -341,6 +406,7 @@ __all__ = [
     "evaluate_babilong",
     "load_model_for_eval",
     "babilong_files_by_task_length",
+    "prepare_output_dir",
     "plot_heatmap",
     "format_results_table",
 ]

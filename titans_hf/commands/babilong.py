@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
-from titans_hf.tasks.babilong import GENERATED_TASKS, generate_babilong, write_babilong_json, write_dataset_card
+from titans_hf.tasks.babilong import (
+    GENERATED_TASKS,
+    dataset_card_path,
+    generate_babilong,
+    write_babilong_json,
+    write_dataset_card,
+)
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -24,17 +32,36 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     generate.add_argument("--haystack", nargs="+", default=None, help="text files (e.g. PG19 books) for the haystack")
     generate.add_argument("--output", required=True, help="JSON file to write, e.g. data/qa1/4k.json")
     generate.add_argument("--card", action="store_true", help="also write a dataset card README.md beside it")
+    generate.add_argument("--overwrite", action="store_true",
+                          help="replace an existing output file (and README.md with --card); without it they are kept")
     generate.set_defaults(func=generate_command)
+
+
+def check_outputs(paths: list[Path], overwrite: bool) -> None:
+    """Refuse, before any row is generated, outputs that exist (unless `overwrite`), that are folders, or whose
+    folder cannot be made or written."""
+    for path in paths:
+        if path.is_dir():
+            raise IsADirectoryError(f"output {path} is a folder; give a file name such as {path / 'qa1.json'}")
+        if path.exists() and not overwrite:
+            raise FileExistsError(f"output {path} exists; pass --overwrite to replace it")
+        existing = next(folder for folder in (path.parent, *path.parent.parents) if folder.exists())
+        if not existing.is_dir():
+            raise NotADirectoryError(f"output {path}: {existing} is a file, not a folder")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise PermissionError(f"output {path}: folder {existing} is not writable")
 
 
 def generate_command(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
+    output = Path(args.output)
+    check_outputs([output, dataset_card_path(output)] if args.card else [output], args.overwrite)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     rows = generate_babilong(
         args.task, args.num_samples, args.length, tokenizer, args.seed, args.haystack, show_progress=True
     )
-    output = write_babilong_json(rows, args.output)
+    output = write_babilong_json(rows, output)
     if args.card:
         settings = {
             "task": args.task, "length": args.length, "num_samples": args.num_samples, "seed": args.seed,

@@ -15,8 +15,10 @@ from titans_hf.evaluation import (
     evaluate_babilong,
     format_results_table,
     load_model_for_eval,
+    prepare_output_dir,
 )
-from titans_hf.tasks.babilong import GENERATED_TASKS, generate_babilong
+from titans_hf.tasks.babilong import GENERATED_TASKS, generate_babilong, length_tokens
+from titans_hf.tasks.babilong.generate import read_haystack_sentences
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -33,15 +35,23 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--memory", default=None, help="memory folder or Hub id, to put on the --model base")
     parser.add_argument("--tokenizer", default=None, help="tokenizer name or path (default: the base model's)")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--data", nargs="+", help="BABILong JSON files laid out as TASK/LENGTH.json, e.g. qa1/32k.json")
+    source.add_argument("--data", nargs="+",
+                        help="BABILong files or folders: the Hub sets' LENGTH/TASK-0000i-of-0000n.parquet (a "
+                        "downloaded snapshot folder finds them all), or TASK/LENGTH.json / .jsonl, e.g. qa1/32k.json")
     source.add_argument("--generate", action="store_true", help="generate rows offline (--tasks, --lengths)")
-    parser.add_argument("--tasks", nargs="+", default=["qa1"], choices=GENERATED_TASKS, help="(--generate)")
-    parser.add_argument("--lengths", nargs="+", type=int, default=None, help="input lengths in tokens (--generate)")
+    parser.add_argument("--tasks", nargs="+", default=None,
+                        help="--data: only these tasks (one task also names files whose path does not); "
+                        f"--generate: tasks to generate, of {list(GENERATED_TASKS)} (default qa1)")
+    parser.add_argument("--lengths", nargs="+", default=None,
+                        help="--data: only these length labels (e.g. 4k 32k; one also names files whose path does "
+                        "not); --generate: input lengths in tokens (e.g. 3500 or 4k = 4096), required")
     parser.add_argument("--num-samples", type=int, default=100, help="rows per task and length (--generate)")
     parser.add_argument("--seed", type=int, default=1, help="generation seed; use one the training data did not")
     parser.add_argument("--haystack", nargs="+", default=None, help="text files for the haystack (--generate)")
     parser.add_argument("--max-new-tokens", type=int, default=8)
-    parser.add_argument("--batch-size", type=int, default=1, help="rows per generate call (equal prompt lengths only)")
+    parser.add_argument("--batch-size", type=int, default=1,
+                        help="rows per generate call; a TitansQwen batches rows of mixed lengths, left-padded by "
+                        "whole multiples of its padding_multiple, with the answers of each row alone")
     parser.add_argument("--no-ablation", action="store_true", help="skip the pass with the memory switched off")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else None,
@@ -51,16 +61,29 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 
 
 def eval_command(args: argparse.Namespace) -> int:
-    if args.generate and not args.lengths:
-        raise ValueError("titans-hf eval --generate needs --lengths (input lengths in tokens)")
-    if args.data:
-        data = babilong_files_by_task_length(args.data)  # checked before the (slow) model load
+    # Everything that can be checked is checked before the (slow) model load and generation.
+    if args.generate:
+        if not args.lengths:
+            raise ValueError("titans-hf eval --generate needs --lengths (input lengths in tokens)")
+        tasks = args.tasks or ["qa1"]
+        unknown = [task for task in tasks if task not in GENERATED_TASKS]
+        if unknown:
+            raise ValueError(f"titans-hf eval --generate writes {list(GENERATED_TASKS)}, not --tasks {unknown}")
+        lengths = {label: length_tokens(label) for label in args.lengths}
+        bad = [label for label, tokens in lengths.items() if tokens is None]
+        if bad:
+            raise ValueError(f"titans-hf eval --generate: --lengths {bad} are not lengths (tokens, e.g. 3500 or 4k)")
+        if args.haystack:
+            read_haystack_sentences(args.haystack)  # missing or unreadable text fails before the model loads
+    else:
+        data = babilong_files_by_task_length(args.data, args.tasks, args.lengths)
+    prepare_output_dir(args.output)
     model, tokenizer = load_model_for_eval(args.model, args.memory, args.tokenizer, args.dtype, args.device)
     if args.generate:
         data = {
-            (task, length): generate_babilong(task, args.num_samples, length, tokenizer, args.seed, args.haystack)
-            for task in args.tasks
-            for length in args.lengths
+            (task, label): generate_babilong(task, args.num_samples, tokens, tokenizer, args.seed, args.haystack)
+            for task in tasks
+            for label, tokens in lengths.items()
         }
     results = evaluate_babilong(
         model, tokenizer, data, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,

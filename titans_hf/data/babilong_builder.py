@@ -1,9 +1,12 @@
-"""``titans_babilong``: BABILong rows (public JSON or generated offline) as tokenised training examples.
+"""``titans_babilong``: BABILong rows (published parquet, JSON, or generated offline) as tokenised training examples.
 
 Usage, once ``titans_hf`` is imported (it registers the builder)::
 
     load_dataset("titans_babilong", data_files="qa1/32k.json", tokenizer="Qwen/Qwen2.5-0.5B",
                  max_length=32768, answer_reserve_tokens=64)
+    load_dataset("titans_babilong", data_dir="path/to/babilong-1k-samples", task="qa1", length="32k",
+                 tokenizer="Qwen/Qwen2.5-0.5B", max_length=32768)   # a snapshot of the Hub set, one task
+    load_dataset("titans_babilong", data_files="babilong/32k/qa*-*.parquet", tokenizer=..., max_length=32768)
     load_dataset("titans_babilong", task="qa1", length=2048, num_samples=5000, seed=0,
                  tokenizer="path/to/tokenizer", max_length=2304)
     build_babilong(task="qa1", length=2048, num_samples=5000, seed=0,
@@ -12,17 +15,25 @@ Usage, once ``titans_hf`` is imported (it registers the builder)::
 Without data files ``load_dataset`` would look for files in the working directory;
 ``titans_hf.data`` routes this builder past that lookup so that it generates.
 
-Config values are plain (the tokenizer is a name or path), so the Arrow cache key changes exactly
-when an input changes. Work is cut into row chunks listed in ``gen_kwargs``, which is what
-``num_proc`` parallelises over.
+Task and length labels of file rows come from the published layouts (``32k/qa1-00000-of-00001.parquet``,
+``qa1/32k.json``; see ``titans_hf.tasks.babilong.files``); ``task=`` / ``length=`` keep only the files of that task /
+length and label the files whose path says neither. The ``length`` column is the label's token count
+(``length_tokens``: "32k" -> 32768), -1 when unknown.
+
+Config values are plain (the tokenizer is a name or path), and the Arrow cache key also holds what the rows
+depend on beyond them: the tokenizer's serialised state and pad id, and the contents of the haystack and data
+files, so a changed tokenizer or file under the same name builds anew. Work is cut into row chunks listed in
+``gen_kwargs``, which is what ``num_proc`` parallelises over.
 """
 
 from __future__ import annotations
 
-import re
+import hashlib
+import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import datasets
 import pyarrow as pa
@@ -30,11 +41,17 @@ from datasets.builder import Key
 
 from titans_hf.tasks.babilong import (
     GENERATED_TASKS,
+    babilong_path_labels,
     build_example,
     iter_babilong_batches,
-    read_babilong_json,
+    length_tokens,
+    read_babilong_file,
     train_eval_split,
 )
+from titans_hf.tasks.babilong.generate import read_haystack_sentences
+from titans_hf.utils import resolve_pad_token_id
+
+logger = logging.getLogger(__name__)
 
 ROWS_PER_CHUNK = 256
 
@@ -63,10 +80,13 @@ class TitansBabilongConfig(datasets.BuilderConfig):
         pad_to_max_length: False leaves rows unpadded, for a collator that pads to a multiple of
             the chunk size (length curricula).
         task, length, num_samples, seed, haystack_files: generation settings, used when no data
-            files are given; with data files, ``task``/``length`` only label the rows (else they
-            come from a public path like ``qa1/32k.json``).
+            files are given. With data files, ``task``/``length`` keep only the files whose layout
+            names that task / length and label the files whose path names none. ``length`` may be a
+            published label ("32k"); it is stored as its token count.
         train_ratio: split a single source into seeded ``train``/``validation`` splits (seed =
             ``seed``); None keeps every row in ``train``.
+        truncate_answers: an answer longer than the room left after the prompt is an error naming
+            its row; True cuts it instead, and the number of rows cut is logged.
     """
 
     tokenizer: str | None = None
@@ -74,11 +94,12 @@ class TitansBabilongConfig(datasets.BuilderConfig):
     answer_reserve_tokens: int = 64
     pad_to_max_length: bool = True
     task: str | None = None
-    length: int | None = None
+    length: int | str | None = None
     num_samples: int | None = None
     seed: int = 0
     haystack_files: tuple[str, ...] | None = None
     train_ratio: float | None = 0.9
+    truncate_answers: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -93,14 +114,68 @@ class TitansBabilongConfig(datasets.BuilderConfig):
             raise ValueError(f"train_ratio={self.train_ratio} must lie strictly between 0 and 1, or be None")
         if self.haystack_files is not None:
             self.haystack_files = tuple(str(f) for f in self.haystack_files)
+        if isinstance(self.length, str):
+            tokens = length_tokens(self.length)
+            if tokens is None:
+                raise ValueError(f"length={self.length!r} is not a length (tokens, optionally with k or M: 32k)")
+            self.length = tokens
+
+    def file_labels(self, path: str) -> tuple[str, int] | None:
+        """(task, length in tokens) of the rows of a data file, from its layout or else from ``task`` / ``length``
+        ("" / -1 when neither says); None when the layout names another task or length than asked for."""
+        task, label = babilong_path_labels(path)
+        length = length_tokens(label) if label is not None else None
+        if (self.task is not None and task not in (None, self.task)) or (
+            self.length is not None and length not in (None, self.length)
+        ):
+            return None
+        return task or self.task or "", length if length is not None else (-1 if self.length is None else self.length)
+
+    def create_config_id(self, config_kwargs: dict, custom_features: datasets.Features | None = None) -> str:
+        """The cache key: the config, plus the tokenizer's state and the contents of every local input file read
+        (data files of other tasks / lengths than asked for are not)."""
+        inputs: dict[str, Any] = {"tokenizer": tokenizer_fingerprint(self.tokenizer)}
+        if self.haystack_files:
+            inputs["haystack_files"] = [file_digest(file, "haystack file") for file in self.haystack_files]
+        if self.data_files is not None:
+            inputs["data_files"] = {
+                str(split): [file_digest(file, "BABILong file") for file in files
+                             if os.path.isfile(file) and self.file_labels(file) is not None]
+                for split, files in self.data_files.items()
+            }
+        return super().create_config_id({**config_kwargs, "inputs": inputs}, custom_features=custom_features)
 
 
-def _labels_from_path(path: str) -> tuple[str, int]:
-    """(task, length) from a public-layout path such as ``.../qa1/32k.json`` ("", -1 when absent)."""
-    parent, stem = Path(path).parent.name, Path(path).stem
-    task = parent if re.fullmatch(r"qa\d+", parent) else ""
-    match = re.fullmatch(r"(\d+)k", stem)
-    return task, int(match.group(1)) * 1024 if match else -1
+def tokenizer_fingerprint(name_or_path: str) -> str:
+    """SHA-256 of what rows depend on in a tokenizer: its serialised Rust tokenizer (vocabulary, merges,
+    normaliser, pre-tokeniser, post-processor, added tokens) and its pad id (EOS when it has no pad)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"titans_babilong: cannot load tokenizer {name_or_path!r}: {error}") from error
+    if not tokenizer.is_fast:
+        raise ValueError(f"titans_babilong needs a fast tokenizer; {name_or_path!r} loads as {type(tokenizer).__name__}")
+    try:
+        pad_id: int | None = resolve_pad_token_id(tokenizer)
+    except ValueError:  # only an error once a row is padded
+        pad_id = None
+    digest = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode("utf-8"))
+    digest.update(f"pad={pad_id}".encode())
+    return digest.hexdigest()
+
+
+def file_digest(path: str | os.PathLike, what: str) -> str:
+    """SHA-256 of a file's bytes; a missing file is a FileNotFoundError naming it (as ``what``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} {path} does not exist")
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 class TitansBabilong(datasets.ArrowBasedBuilder):
@@ -117,21 +192,23 @@ class TitansBabilong(datasets.ArrowBasedBuilder):
         if self.config.data_files and self.config.num_samples is not None:
             raise ValueError(
                 f"titans_babilong got data files ({dict(self.config.data_files)}) and num_samples="
-                f"{self.config.num_samples}: pass data_files to read BABILong JSON, or generate with "
+                f"{self.config.num_samples}: pass data_files to read BABILong files, or generate with "
                 "titans_hf.data.babilong_builder.build_babilong(task=..., length=..., num_samples=...) "
                 "(load_dataset infers data files from the working directory when none are given)"
             )
         if self.config.data_files:
+            # labels come from the names given (a Hub file downloads to a cache name that has lost its layout)
             files = dl_manager.download(self.config.data_files)
-            sources = {
-                str(split): [row for path in paths for row in self._read_rows(path)] for split, paths in files.items()
-            }
+            sources = {str(split): self._read_split(str(split), list(zip(self.config.data_files[split], local)))
+                       for split, local in files.items()}
         else:
             missing = [name for name in ("task", "length", "num_samples") if getattr(self.config, name) is None]
             if missing:
                 raise ValueError(f"titans_babilong without data_files generates rows and needs {missing}")
             if self.config.task not in GENERATED_TASKS:
                 raise ValueError(f"titans_babilong generates {list(GENERATED_TASKS)}, not task={self.config.task!r}")
+            if self.config.haystack_files:
+                read_haystack_sentences(self.config.haystack_files)  # unreadable text fails now, not in every worker
             sources = {"train": list(range(self.config.num_samples))}
 
         if self.config.train_ratio is not None and list(sources) == ["train"]:
@@ -147,11 +224,27 @@ class TitansBabilong(datasets.ArrowBasedBuilder):
             for split, rows in sources.items()
         ]
 
-    def _read_rows(self, path: str) -> list[dict]:
-        task, length = _labels_from_path(path)
-        task = self.config.task or task
-        length = self.config.length if self.config.length is not None else length
-        return [{**row, "task": task, "length": length} for row in read_babilong_json(path)]
+    def _read_split(self, split: str, files: list[tuple[str, str]]) -> list[dict]:
+        """Rows of the files (name given, local copy) of one split that match ``task`` / ``length``, labelled, each
+        knowing its source."""
+        config, rows, skipped = self.config, [], 0
+        for name, local in files:
+            labels = config.file_labels(name)
+            if labels is None:
+                skipped += 1
+                continue
+            task, length = labels
+            rows += [
+                {**row, "task": task, "length": length, "source": f"BABILong file {name}, row {index} (0-based)"}
+                for index, row in enumerate(read_babilong_file(local))
+            ]
+        if not rows:
+            raise ValueError(f"titans_babilong: no file of split {split!r} is task={config.task!r} length="
+                             f"{config.length!r}: {[name for name, _ in files]}")
+        if skipped:
+            logger.info("titans_babilong: split %s keeps %d file(s), skips %d of other tasks / lengths",
+                        split, len(files) - skipped, skipped)
+        return rows
 
     def _generate_shards(self, chunks: list) -> Iterator[str]:
         for index, _ in enumerate(chunks):
@@ -163,20 +256,43 @@ class TitansBabilong(datasets.ArrowBasedBuilder):
         config = self.config
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
         if chunks and isinstance(chunks[0][0], int):  # generation: chunks list row indices
+            indices = [i for chunk in chunks for i in chunk]
             batches = iter_babilong_batches(
                 config.task, config.num_samples, config.length, tokenizer, config.seed,
-                haystack_files=config.haystack_files, row_indices=[i for chunk in chunks for i in chunk],
-                batch_size=ROWS_PER_CHUNK,
+                haystack_files=config.haystack_files, row_indices=indices, batch_size=ROWS_PER_CHUNK,
             )
-            chunks = ([{**row, "task": config.task, "length": config.length} for row in batch] for batch in batches)
+            where = f"generated {config.task} (length {config.length}, seed {config.seed})"
+            chunks = (
+                [{**row, "task": config.task, "length": config.length, "source": f"{where} row {index}"}
+                 for row, index in zip(batch, indices[start : start + len(batch)])]
+                for start, batch in _with_offsets(batches)
+            )
         for chunk_index, rows in enumerate(chunks):
-            examples = [
-                build_example(row, tokenizer, config.max_length, config.answer_reserve_tokens, config.pad_to_max_length)
-                for row in rows
-            ]
-            columns = {name: [example[name] for example in examples] for name in examples[0]}
+            examples = [self._example(row, tokenizer) for row in rows]
+            cut = sum(example["answer_tokens_cut"] > 0 for example in examples)
+            if cut:
+                logger.warning("titans_babilong: cut the answers of %d of %d rows (from %s) to fit max_length=%d "
+                               "(truncate_answers=True)", cut, len(rows), rows[0]["source"], config.max_length)
+            columns = {name: [example[name] for example in examples] for name in FEATURES if name in examples[0]}
             columns.update({name: [row[name] for row in rows] for name in ("question", "task", "length")})
             yield Key(chunk_index, 0), pa.Table.from_pydict(columns, schema=FEATURES.arrow_schema)
+
+    def _example(self, row: dict, tokenizer) -> dict[str, Any]:
+        """``build_example`` of one row; its errors name the row's file and index (or generated row)."""
+        config = self.config
+        try:
+            return build_example(row, tokenizer, config.max_length, config.answer_reserve_tokens,
+                                 config.pad_to_max_length, truncate_answers=config.truncate_answers)
+        except ValueError as error:
+            raise ValueError(f"{row['source']}: {error}") from error
+
+
+def _with_offsets(batches: Iterator[list]) -> Iterator[tuple[int, list]]:
+    """(position of the batch's first row among all rows, batch) for consecutive batches."""
+    start = 0
+    for batch in batches:
+        yield start, batch
+        start += len(batch)
 
 
 def build_babilong(cache_dir: str | None = None, num_proc: int | None = None, **config) -> datasets.DatasetDict:

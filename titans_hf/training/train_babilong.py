@@ -29,6 +29,7 @@ from transformers import AutoTokenizer, TrainerCallback, set_seed
 from titans_hf.data.babilong_builder import build_babilong
 from titans_hf.hub import TitansMemoryConfig
 from titans_hf.modeling import TitansQwenForCausalLM
+from titans_hf.tasks.babilong import find_babilong_sources
 
 from .trainer import TitansTrainer
 from .training_args import TitansTrainingArguments
@@ -64,10 +65,25 @@ MemoryArguments = _memory_arguments()
 
 @dataclass
 class DataArguments:
-    """Where BABILong rows come from: public JSON files, or the offline generator at one or more lengths."""
+    """Where BABILong rows come from: published parquet / JSON files or snapshot folders, or the offline generator
+    at one or more lengths."""
 
     data_files: list[str] | None = field(
-        default=None, metadata={"help": "BABILong JSON files (input/question/target), e.g. qa1/32k.json."}
+        default=None,
+        metadata={
+            "help": "BABILong files or folders (input/question/target): the Hub sets' LENGTH/TASK-0000i-of-0000n.parquet "
+            "(a downloaded snapshot folder stands for all of them), or TASK/LENGTH.json / .jsonl, e.g. qa1/32k.json."
+        },
+    )
+    data_tasks: list[str] | None = field(
+        default=None,
+        metadata={"help": "With data_files: only these tasks (e.g. qa1 qa2); a single one also labels the files whose "
+                  "path does not name a task."},
+    )
+    data_lengths: list[str] | None = field(
+        default=None,
+        metadata={"help": "With data_files: only these lengths (labels such as 4k 32k); a single one also labels the "
+                  "files whose path does not name a length."},
     )
     generate_lengths: list[int] | None = field(
         default=None,
@@ -82,6 +98,11 @@ class DataArguments:
     tokenizer_name_or_path: str | None = field(default=None, metadata={"help": "Default: model_name_or_path."})
     max_length: int = field(default=32768, metadata={"help": "Tokens per row (prompt + answer)."})
     answer_reserve_tokens: int = field(default=64, metadata={"help": "Tokens kept for the answer."})
+    truncate_answers: bool = field(
+        default=False,
+        metadata={"help": "Cut answers longer than the room left after the prompt (counted in the log); by default "
+                  "such an answer is an error naming its row."},
+    )
     train_ratio: float = field(default=0.9, metadata={"help": "Seeded train share of the rows; the rest evaluates."})
     pad_to_max_length: bool | None = field(
         default=None,
@@ -108,7 +129,9 @@ def load_babilong_splits(
     """Train and evaluation rows of the `titans_babilong` builder, one build per source.
 
     BABILong files go through `load_dataset("titans_babilong", data_files=...)`, as a user would
-    load them; generated rows through the builder-class route (`build_babilong`), one build per length.
+    load them, after folders are expanded into the files they hold and `data_tasks` / `data_lengths`
+    have picked the sets (`find_babilong_sources`); generated rows through the builder-class route
+    (`build_babilong`), one build per length.
     """
     common = dict(
         tokenizer=tokenizer_name_or_path,
@@ -117,9 +140,16 @@ def load_babilong_splits(
         pad_to_max_length=pad_to_max_length,
         train_ratio=data_args.train_ratio,
         seed=data_args.generation_seed,
+        truncate_answers=data_args.truncate_answers,
     )
     if data_args.data_files:
-        builds = [datasets.load_dataset("titans_babilong", data_files=list(data_args.data_files), **common)]
+        tasks, lengths = data_args.data_tasks, data_args.data_lengths
+        sources = find_babilong_sources(data_args.data_files, tasks, lengths)
+        files = [str(path) for source in sources for path in source.paths]
+        # a single task / length names the files whose path does not (the builder keeps the ones that do)
+        labels = {name: values[0] for name, values in (("task", tasks), ("length", lengths))
+                  if values and len(values) == 1}
+        builds = [datasets.load_dataset("titans_babilong", data_files=files, **labels, **common)]
     elif data_args.generate_lengths:
         haystack = tuple(data_args.haystack_files) if data_args.haystack_files else None
         builds = [
@@ -133,7 +163,8 @@ def load_babilong_splits(
             for length in data_args.generate_lengths
         ]
     else:
-        raise ValueError("no data: pass --data_files (BABILong JSON) or --generate_lengths (offline generator)")
+        raise ValueError("no data: pass --data_files (BABILong files or folders) or --generate_lengths (offline "
+                         "generator)")
     train = datasets.concatenate_datasets([build["train"] for build in builds])
     evaluation = datasets.concatenate_datasets([build["validation"] for build in builds])
     if data_args.max_train_samples is not None:

@@ -5,7 +5,22 @@
 """
 
 from .examples import PROMPT_TEMPLATE, build_example, train_eval_split
-from .files import REQUIRED_FIELDS, read_babilong_json, render_dataset_card, write_babilong_json, write_dataset_card
+from .files import (
+    REQUIRED_FIELDS,
+    BabilongSource,
+    babilong_path_labels,
+    dataset_card_path,
+    find_babilong_sources,
+    length_tokens,
+    read_babilong_file,
+    read_babilong_files,
+    read_babilong_json,
+    read_babilong_parquet,
+    render_dataset_card,
+    same_length,
+    write_babilong_json,
+    write_dataset_card,
+)
 from .generate import (
     ACTORS,
     GENERATED_TASKS,
@@ -20,16 +35,22 @@ from .generate import (
     random_question,
 )
 from .scoring import (
+    LABELS_FROM_BABILONG,
+    LABELS_FROM_TARGETS,
     TASK_LABELS,
     last_location_baseline,
     last_mentioned_label,
     score_exact_match,
     score_label_substring,
     score_predictions,
+    task_labels,
 )
 
 __all__ = [
     "ACTORS",
+    "BabilongSource",
+    "LABELS_FROM_BABILONG",
+    "LABELS_FROM_TARGETS",
     "GENERATED_TASKS",
     "LOCATIONS",
     "MOVE_VERBS",
@@ -38,19 +59,28 @@ __all__ = [
     "REQUIRED_FIELDS",
     "TASK_LABELS",
     "World",
+    "babilong_path_labels",
     "build_example",
+    "dataset_card_path",
     "distractor_sentence",
+    "find_babilong_sources",
     "generate_babilong",
     "iter_babilong_batches",
     "last_location_baseline",
     "last_mentioned_label",
+    "length_tokens",
     "random_fact",
     "random_question",
+    "read_babilong_file",
+    "read_babilong_files",
     "read_babilong_json",
+    "read_babilong_parquet",
     "render_dataset_card",
+    "same_length",
     "score_exact_match",
     "score_label_substring",
     "score_predictions",
+    "task_labels",
     "train_eval_split",
     "write_babilong_json",
     "write_dataset_card",

@@ -17,6 +17,7 @@ def build_example(
     max_length: int,
     answer_reserve_tokens: int,
     pad_to_max_length: bool = True,
+    truncate_answers: bool = False,
 ) -> dict[str, Any]:
     """Tokenise one row for training: prompt, then the answer as the only labelled tokens.
 
@@ -25,6 +26,10 @@ def build_example(
     a "where is" answer) stay. Rows are right-padded to exactly ``max_length`` so every rank runs
     the same number of chunks; ``pad_to_max_length=False`` leaves them unpadded for a collator that
     pads to a multiple of the chunk size (length curricula).
+
+    An answer longer than the room left after the prompt is a ValueError giving its token count, unless
+    ``truncate_answers``: then it is cut to fit, and ``answer_tokens_cut`` (0 otherwise) says by how many tokens,
+    for the caller to count.
     """
     if not tokenizer.is_fast:
         raise ValueError("build_example needs a fast tokenizer (it locates the question by character offsets)")
@@ -53,7 +58,15 @@ def build_example(
     if tail_start - num_prefix > keep:
         ids = ids[:num_prefix] + ids[tail_start - keep : tail_start] + ids[tail_start:]
     answer_ids = backend.encode(" " + row["target"], add_special_tokens=False).ids
-    answer_ids = answer_ids[: max_length - len(ids)]
+    room = max_length - len(ids)
+    if len(answer_ids) > room and not truncate_answers:
+        raise ValueError(
+            f"answer {row['target']!r} is {len(answer_ids)} tokens but only {room} fit after the prompt "
+            f"(max_length={max_length}, answer_reserve_tokens={answer_reserve_tokens}): raise answer_reserve_tokens "
+            f"to at least {len(answer_ids)}, or cut such answers with truncate_answers=True"
+        )
+    answer_tokens_cut = max(0, len(answer_ids) - room)
+    answer_ids = answer_ids[:room]
     prompt_length = len(ids)
     input_ids = ids + answer_ids
     labels = [-100] * prompt_length + answer_ids
@@ -69,6 +82,7 @@ def build_example(
         "labels": labels,
         "target": row["target"],
         "prompt_length": prompt_length,
+        "answer_tokens_cut": answer_tokens_cut,
     }
 
 

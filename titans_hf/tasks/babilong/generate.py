@@ -15,6 +15,8 @@ from typing import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
+from .files import read_utf8_text
+
 ACTORS = ["John", "Mary", "Sandra", "Daniel"]
 LOCATIONS = ["bathroom", "bedroom", "garden", "hallway", "kitchen", "office"]
 OBJECTS = ["football", "apple", "milk"]
@@ -223,10 +225,7 @@ def read_haystack_sentences(haystack_files: Sequence[str | Path]) -> list[str]:
         path = Path(file)
         if not path.is_file():
             raise FileNotFoundError(f"haystack file {path} does not exist")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as error:
-            raise ValueError(f"haystack file {path} is not UTF-8 text: {error}") from error
+        text = read_utf8_text(path, "haystack file")
         sentences.extend(s for s in split_sentences(text) if not _TASK_WORDS.search(s))
     if not sentences:
         raise ValueError(

@@ -12,7 +12,29 @@ from collections.abc import Mapping, Sequence
 
 from .generate import LOCATIONS
 
-TASK_LABELS: dict[str, list[str]] = {"qa1": list(LOCATIONS), "qa2": list(LOCATIONS), "qa3": list(LOCATIONS)}
+# BABILong's own label sets (booydar/babilong, babilong/metrics.py, TASK_LABELS); the tasks it lists no set for
+# (qa8, qa11-qa20) are scored against the distinct targets of the rows (see `task_labels`).
+TASK_LABELS: dict[str, list[str]] = {
+    "qa1": list(LOCATIONS),
+    "qa2": list(LOCATIONS),
+    "qa3": list(LOCATIONS),
+    "qa4": list(LOCATIONS),
+    "qa5": ["Bill", "Fred", "Jeff", "Mary", "apple", "football", "milk"],
+    "qa6": ["no", "yes"],
+    "qa7": ["none", "one", "two"],
+    "qa9": ["no", "yes"],
+    "qa10": ["maybe", "no", "yes"],
+}
+LABELS_FROM_BABILONG = "BABILong's label set of the task"
+LABELS_FROM_TARGETS = "the distinct targets of the rows scored (BABILong publishes no label set for this task)"
+
+
+def task_labels(task: str, rows: Sequence[Mapping[str, str]]) -> tuple[list[str], str]:
+    """(labels, where they come from): BABILong's published set of ``task``, else the distinct targets of ``rows``
+    (lowercased, sorted), which is what an unknown task can be scored against."""
+    if task in TASK_LABELS:
+        return list(TASK_LABELS[task]), LABELS_FROM_BABILONG
+    return sorted({row["target"].strip().lower() for row in rows}), LABELS_FROM_TARGETS
 
 
 def _first_word(text: str) -> str:
