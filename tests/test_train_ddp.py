@@ -27,7 +27,7 @@ STEPS = 6
 
 
 def tiny_recipe(model_dir: str, data_files: list[str], output_dir: str, *extra: str) -> list[str]:
-    """The train_babilong flags of a run small enough for CPU: QA1 at 2 lengths, curriculum 2 -> 4 chunks of 64."""
+    """The titans-hf train flags of a run small enough for CPU: QA1 at 2 lengths, curriculum 2 -> 4 chunks of 64."""
     return [
         "--model_name_or_path", model_dir, "--chunk_size", "64", "--memory_chunk_size", "8",
         "--memory_head_dim", "16",
@@ -61,7 +61,7 @@ def ddp_worker(model_dir: str, out_dir: str, data_files: list[str]) -> None:
     from transformers import TrainerCallback
 
     from titans_hf.commands.train import parse_arguments
-    from titans_hf.training.train_babilong import train_babilong
+    from titans_hf.training.recipe import train_memory
 
     class StopAtStep(TrainerCallback):
         def on_save(self, args, state, control, **kwargs):
@@ -75,7 +75,7 @@ def ddp_worker(model_dir: str, out_dir: str, data_files: list[str]) -> None:
     }
     steps = {}
     for name, (argv, callbacks) in runs.items():
-        trainer = train_babilong(*parse_arguments(argv), callbacks=callbacks)
+        trainer = train_memory(*parse_arguments(argv), callbacks=callbacks)
         rank = trainer.args.process_index
         save_file(trainable(trainer.model), str(out / f"{name}_rank{rank}.safetensors"))
         steps[name] = (trainer.state.global_step, trainer.args.world_size)
@@ -129,7 +129,7 @@ def test_cli_and_script_are_one_deterministic_entry(tmp_path, tiny_qwen3_dir, ba
         assert cli_main(["train", *argv]) == 0
     finally:
         torch.set_num_threads(threads)
-    script = [sys.executable, str(REPO / "scripts" / "train_babilong.py")]
+    script = [sys.executable, str(REPO / "scripts" / "train.py")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     argv = tiny_recipe(str(tiny_qwen3_dir), babilong_files, str(tmp_path / "script"), "--max_steps", "2", "--use_cpu", "true")
     result = subprocess.run(script + argv, env=env, capture_output=True, text=True)
@@ -150,12 +150,13 @@ def test_cli_and_script_are_one_deterministic_entry(tmp_path, tiny_qwen3_dir, ba
     assert config["chunk_size"] == 64 and config["base_model_name_or_path"] == str(tiny_qwen3_dir)
 
     help_text = subprocess.run(script + ["--help"], env=env, capture_output=True, text=True).stdout
-    for default in ("--max_length MAX_LENGTH", "default: 32768", "--log_every_batches", "outputs/qwen_titans_babilong"):
+    for default in ("--max_length MAX_LENGTH", "default: 32768", "--log_every_batches", "outputs/titans_memory",
+                    "--dataset DATASET", "--window_size WINDOW_SIZE"):
         assert default in help_text
 
 
 def test_generated_lengths_are_built_and_split_per_length(tiny_qwen3_dir):
-    from titans_hf.training.train_babilong import DataArguments, load_babilong_splits
+    from titans_hf.training.recipe import DataArguments, load_babilong_splits
 
     data_args = DataArguments(generate_lengths=[80, 200], num_samples=10, max_length=256, answer_reserve_tokens=8)
     train, evaluation = load_babilong_splits(data_args, str(tiny_qwen3_dir), pad_to_max_length=False)

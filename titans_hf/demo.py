@@ -7,7 +7,7 @@ a. **A stand-in base.** A small Qwen3 is trained as an ordinary causal LM with f
    questions and answers. It is saved with ``save_pretrained`` (weights, config, tokenizer) in ``base/``, a
    folder like any downloaded Qwen. Its own full-attention accuracy on stories that fit one chunk is reported.
 b. **The user's recipe, unchanged.** BABILong files are written to ``data/``; the code behind ``titans-hf train``
-   (:func:`titans_hf.training.train_babilong.train_babilong`) loads them with
+   (:func:`titans_hf.training.recipe.train_memory`) loads them with
    ``load_dataset("titans_babilong")``, loads ``base/`` frozen and trains only the memory, then saves it to
    ``memory/``; the function behind ``titans-hf eval`` reloads that folder and scores it with the memory on and
    off. The base's weights are checked bitwise against ``base/`` after training.
@@ -55,12 +55,12 @@ from titans_hf.tasks.babilong import (
     random_question,
     write_babilong_json,
 )
-from titans_hf.training.train_babilong import (
-    BabilongTrainingArguments,
+from titans_hf.training.recipe import (
+    RecipeTrainingArguments,
     DataArguments,
     MemoryArguments,
     ModelArguments,
-    train_babilong,
+    train_memory,
 )
 from titans_hf.utils import atomic_write, atomic_write_json
 
@@ -239,7 +239,7 @@ def base_accuracy(base: str | Path, tokenizer, task: str, chunk_size: int, num_r
     """The plain base (full attention) on bare stories: what it can do in context. Only stories whose prompt fits
     one chunk count, unless the task has none (qa3's stories are longer): then every bare story counts, and
     `fits_one_chunk` says so."""
-    model = AutoModelForCausalLM.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, trust_remote_code=False, use_safetensors=True)
     stories = generate_babilong(task, 4 * num_rows, 0, tokenizer, seed=seed)
     rows = [row for row in stories if len(tokenizer(PROMPT_TEMPLATE.format(**row))["input_ids"]) <= chunk_size]
     fits_one_chunk = bool(rows)
@@ -366,7 +366,7 @@ def run_demo(
                     run_info["pretraining"]["steps"], base_dir)
     else:
         base = model
-    tokenizer = AutoTokenizer.from_pretrained(base)
+    tokenizer = AutoTokenizer.from_pretrained(base, trust_remote_code=False)
     run_info["base"] = base
     run_info["base_accuracy"] = base_accuracy(base, tokenizer, task, chunk_size, seed=900 + seed)
     logger.info("base, full attention, on %d bare stories: %.1f%% exact match (chance %.1f%%)",
@@ -392,7 +392,7 @@ def run_demo(
                               answer_reserve_tokens=16, generation_seed=seed)
     # the builder keeps `train_ratio` of the rows for training; the exact count is known once it has split them
     planned_steps = max_steps if max_steps > 0 else epochs * math.ceil(data_args.train_ratio * len(chunks) / batch_size)
-    training_args = BabilongTrainingArguments(
+    training_args = RecipeTrainingArguments(
         output_dir=str(memory_dir),
         per_device_train_batch_size=batch_size,
         gradient_accumulation_steps=1,
@@ -413,7 +413,7 @@ def run_demo(
         dataloader_num_workers=0,
         disable_tqdm=not show_progress,
     )
-    trainer = train_babilong(model_args, memory_args, data_args, training_args)
+    trainer = train_memory(model_args, memory_args, data_args, training_args)
     trained = trainer.model
     timings["stage_b_train_s"] = time.time() - stage_b_started
     trainable = sum(p.numel() for p in trained.parameters() if p.requires_grad)

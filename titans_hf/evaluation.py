@@ -399,7 +399,7 @@ def load_model_for_eval(
         tokenizer, revision = tokenizer or model, None
     if device is not None:
         loaded.to(device)
-    return loaded, AutoTokenizer.from_pretrained(tokenizer, revision=revision)
+    return loaded, AutoTokenizer.from_pretrained(tokenizer, revision=revision, trust_remote_code=False)
 
 
 __all__ = [

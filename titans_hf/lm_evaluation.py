@@ -31,7 +31,7 @@ def _per_chunk(model, windows: Sequence[dict[str, Any]], batch_size: int, progre
     sums: list[float] = []
     counts: list[int] = []
     for start in range(0, len(windows), batch_size):
-        rows = windows[start:start + batch_size]
+        rows = [windows[i] for i in range(start, min(start + batch_size, len(windows)))]
         width = max(len(row["input_ids"]) for row in rows)
         input_ids = torch.zeros(len(rows), width, dtype=torch.long)
         labels = torch.full((len(rows), width), -100, dtype=torch.long)

@@ -57,7 +57,7 @@ def generate_command(args: argparse.Namespace) -> int:
 
     output = Path(args.output)
     check_outputs([output, dataset_card_path(output)] if args.card else [output], args.overwrite)
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, trust_remote_code=False)
     rows = generate_babilong(
         args.task, args.num_samples, args.length, tokenizer, args.seed, args.haystack, show_progress=True
     )

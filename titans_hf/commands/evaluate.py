@@ -1,10 +1,12 @@
-"""`titans-hf eval`: BABILong accuracy per task and length with the memory on and off, as JSON and a heatmap."""
+"""`titans-hf eval`: BABILong accuracy per task and length with the memory on and off, as JSON and a heatmap;
+with `--lm`, loss per chunk index on held-out windows of token stores, as JSON and a plot."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
+import datasets
 import torch
 
 from titans_hf.evaluation import (
@@ -17,6 +19,7 @@ from titans_hf.evaluation import (
     load_model_for_eval,
     prepare_output_dir,
 )
+from titans_hf.lm_evaluation import LM_PLOT_NAME, LM_RESULTS_NAME, evaluate_lm, format_lm_table
 from titans_hf.tasks.babilong import GENERATED_TASKS, generate_babilong, length_tokens
 from titans_hf.tasks.babilong.generate import read_haystack_sentences
 
@@ -24,10 +27,12 @@ from titans_hf.tasks.babilong.generate import read_haystack_sentences
 def register(subcommands: argparse._SubParsersAction) -> None:
     parser = subcommands.add_parser(
         "eval",
-        help="score a memory on BABILong (files or generated rows), with and without the memory",
+        help="score a memory on BABILong (files or generated rows), or with --lm on token stores, with and "
+        "without the memory",
         description="Greedy answers to BABILong questions, scored by exact match and label substring per task and "
         "length, with the memory on and off on the same weights; writes results.json, heatmap.png and "
-        "predictions.jsonl to --output.",
+        "predictions.jsonl to --output. With --lm: loss and perplexity per chunk index on windows of the token "
+        "stores named by --data (memory on and off), written as lm_results.json and loss_per_chunk.png.",
     )
     parser.add_argument("--model", required=True,
                         help="a memory folder or Hub id (it names its base), a base Qwen (with --memory), or a full "
@@ -45,6 +50,13 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--lengths", nargs="+", default=None,
                         help="--data: only these length labels (e.g. 4k 32k; one also names files whose path does "
                         "not); --generate: input lengths in tokens (e.g. 3500 or 4k = 4096), required")
+    parser.add_argument("--lm", action="store_true",
+                        help="language-model evaluation: --data names token stores (.h5, .bin store files or folders)")
+    parser.add_argument("--window-size", type=int, default=None, help="--lm: tokens per window (required)")
+    parser.add_argument("--stride", type=int, default=None, help="--lm: tokens between windows (default: window)")
+    parser.add_argument("--train-type", default="seq", choices=["seq", "sft"],
+                        help="--lm: seq counts every token, sft only those its loss mask marks")
+    parser.add_argument("--max-windows", type=int, default=None, help="--lm: evaluate the first N windows only")
     parser.add_argument("--num-samples", type=int, default=100, help="rows per task and length (--generate)")
     parser.add_argument("--seed", type=int, default=1, help="generation seed; use one the training data did not")
     parser.add_argument("--haystack", nargs="+", default=None, help="text files for the haystack (--generate)")
@@ -61,6 +73,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 
 
 def eval_command(args: argparse.Namespace) -> int:
+    if args.lm:
+        return lm_eval_command(args)
     # Everything that can be checked is checked before the (slow) model load and generation.
     if args.generate:
         if not args.lengths:
@@ -92,4 +106,24 @@ def eval_command(args: argparse.Namespace) -> int:
     print(format_results_table(results))
     print(f"wrote {Path(args.output) / RESULTS_NAME}, {Path(args.output) / HEATMAP_NAME}, "
           f"{Path(args.output) / PREDICTIONS_NAME}")
+    return 0
+
+
+def lm_eval_command(args: argparse.Namespace) -> int:
+    if not args.data:
+        raise ValueError("titans-hf eval --lm needs --data naming token stores")
+    if args.window_size is None:
+        raise ValueError("titans-hf eval --lm needs --window-size (tokens per window)")
+    prepare_output_dir(args.output)
+    model, _ = load_model_for_eval(args.model, args.memory, args.tokenizer, args.dtype, args.device)
+    windows = datasets.load_dataset(
+        "titans_tokens", data_files=list(args.data), train_type=args.train_type, window_size=args.window_size,
+        stride=args.stride, vocab_size=model.config.text_config.vocab_size, split="train",
+    )
+    if args.max_windows is not None:
+        windows = windows.select(range(min(args.max_windows, len(windows))))
+    results = evaluate_lm(model, windows, batch_size=args.batch_size, output_dir=args.output,
+                          ablation=not args.no_ablation)
+    print(format_lm_table(results))
+    print(f"wrote {Path(args.output) / LM_RESULTS_NAME}, {Path(args.output) / LM_PLOT_NAME}")
     return 0

@@ -1,5 +1,5 @@
-"""`titans-hf train`: train a memory on BABILong; the flags are `HfArgumentParser` dataclasses (model, memory,
-data, training). Also the entry of `accelerate launch scripts/train_babilong.py` and
+"""`titans-hf train`: train a memory on BABILong or on token stores; the flags are `HfArgumentParser` dataclasses
+(model, memory, data, training). Also the entry of `accelerate launch scripts/train.py` and
 `accelerate launch -m titans_hf.commands.train`."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import sys
 
 from transformers import HfArgumentParser
 
-from titans_hf.training.train_babilong import (
-    BabilongTrainingArguments,
+from titans_hf.training.recipe import (
+    RecipeTrainingArguments,
     DataArguments,
     MemoryArguments,
     ModelArguments,
-    train_babilong,
+    train_memory,
 )
 
 
@@ -24,14 +24,14 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     parser = subcommands.add_parser(
         "train",
         add_help=False,
-        help="train the memory on BABILong, same flags as scripts/train_babilong.py (`titans-hf train --help`)",
+        help="train a memory on BABILong or on token stores of your own documents (`titans-hf train --help`)",
     )
     parser.set_defaults(func=lambda args: main(args.forwarded), forwards_unknown_args=True)
 
 
 def parse_arguments(argv: list[str] | None = None) -> tuple:
     """(model, memory, data, training) arguments from command-line flags, or from one .json / .yaml file."""
-    parser = HfArgumentParser((ModelArguments, MemoryArguments, DataArguments, BabilongTrainingArguments))
+    parser = HfArgumentParser((ModelArguments, MemoryArguments, DataArguments, RecipeTrainingArguments))
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 1 and argv[0].endswith(".json"):
         return parser.parse_json_file(argv[0])
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         level=logging.INFO if training_args.process_index == 0 else logging.WARNING,
     )
-    train_babilong(model_args, memory_args, data_args, training_args)
+    train_memory(model_args, memory_args, data_args, training_args)
     return 0
 
 

@@ -152,7 +152,7 @@ def tokenizer_fingerprint(name_or_path: str) -> str:
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=False)
     except (OSError, ValueError) as error:
         raise ValueError(f"titans_babilong: cannot load tokenizer {name_or_path!r}: {error}") from error
     if not tokenizer.is_fast:
@@ -254,7 +254,7 @@ class TitansBabilong(datasets.ArrowBasedBuilder):
         from transformers import AutoTokenizer
 
         config = self.config
-        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, trust_remote_code=False)
         if chunks and isinstance(chunks[0][0], int):  # generation: chunks list row indices
             indices = [i for chunk in chunks for i in chunk]
             batches = iter_babilong_batches(

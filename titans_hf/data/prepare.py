@@ -300,7 +300,7 @@ _worker_tokenizer = None
 def _load_tokenizer(name: str | Path):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(name))
+    tokenizer = AutoTokenizer.from_pretrained(str(name), trust_remote_code=False)
     if tokenizer.eos_token_id is None:
         raise ValueError(f"{name}: tokenizer has no eos token; prepare ends every document with one")
     return tokenizer

@@ -1,10 +1,16 @@
-"""Train the memory of a TitansQwen on BABILong: the logic behind `scripts/train_babilong.py` and `titans-hf train`.
+"""Train the memory of a TitansQwen: the logic behind `titans-hf train` and `scripts/train.py`.
 
-Defaults follow the seed recipe (32768-token rows, chunks of 4096, 64 tokens kept for the answer,
-batch 1 per device, gradient accumulation 8, a log line every 80 batches, a 0.9 train split, output
-in `outputs/qwen_titans_babilong`, a final memory checkpoint). Single process, or::
+Two kinds of data, one recipe (`--dataset`):
+- `titans_babilong` (the default): BABILong files, snapshot folders or the offline generator. Defaults follow the
+  seed recipe (32768-token rows, chunks of 4096, 64 tokens kept for the answer, batch 1 per device, gradient
+  accumulation 8, a log line every 80 batches, a 0.9 train split, a final memory checkpoint); `evaluate()` reports
+  the exact match of the answers.
+- `titans_tokens`: your own long documents, `titans-hf prepare`d into `seq` or `sft` token stores, read as windows
+  of `--window_size` tokens (many chunks each); held out by `--eval_data_files` or a seeded `train_ratio` split.
 
-    accelerate launch --config_file titans_hf/accelerate/fsdp.yaml scripts/train_babilong.py \\
+Single process, or::
+
+    accelerate launch --config_file titans_hf/accelerate/fsdp.yaml scripts/train.py \\
         --model_name_or_path Qwen/Qwen2.5-0.5B --data_files babilong/qa1/32k.json --bf16
 
 (`accelerate launch -m titans_hf.commands.train` when the package is installed without the repo.)
@@ -24,14 +30,14 @@ from dataclasses import dataclass, field
 
 import datasets
 import torch
-from transformers import AutoTokenizer, TrainerCallback, set_seed
+from transformers import AutoConfig, AutoTokenizer, TrainerCallback, set_seed
 
 from titans_hf.data.babilong_builder import build_babilong
 from titans_hf.hub import TitansMemoryConfig
 from titans_hf.modeling import TitansQwenForCausalLM
 from titans_hf.tasks.babilong import find_babilong_sources
 
-from .trainer import TitansTrainer
+from .trainer import TitansTrainer, answer_exact_match
 from .training_args import TitansTrainingArguments
 
 logger = logging.getLogger(__name__)
@@ -63,17 +69,40 @@ def _memory_arguments() -> type:
 MemoryArguments = _memory_arguments()
 
 
+DATASETS = ("titans_babilong", "titans_tokens")
+
+
 @dataclass
 class DataArguments:
-    """Where BABILong rows come from: published parquet / JSON files or snapshot folders, or the offline generator
-    at one or more lengths."""
+    """Where the rows come from: BABILong (published parquet / JSON files or snapshot folders, or the offline
+    generator at one or more lengths), or token stores of your own documents."""
 
+    dataset: str = field(
+        default="titans_babilong",
+        metadata={"help": "titans_babilong (BABILong files or generated rows) or titans_tokens (token stores "
+                  "written by titans-hf prepare)."},
+    )
     data_files: list[str] | None = field(
         default=None,
         metadata={
-            "help": "BABILong files or folders (input/question/target): the Hub sets' LENGTH/TASK-0000i-of-0000n.parquet "
-            "(a downloaded snapshot folder stands for all of them), or TASK/LENGTH.json / .jsonl, e.g. qa1/32k.json."
+            "help": "titans_babilong: BABILong files or folders (input/question/target): the Hub sets' "
+            "LENGTH/TASK-0000i-of-0000n.parquet (a downloaded snapshot folder stands for all of them), or "
+            "TASK/LENGTH.json / .jsonl, e.g. qa1/32k.json. titans_tokens: .h5 stores and files of .bin stores "
+            "(e.g. stores/corpus_bin/*), or store folders."
         },
+    )
+    eval_data_files: list[str] | None = field(
+        default=None,
+        metadata={"help": "titans_tokens: held-out stores to evaluate on (default: a seeded share of the windows)."},
+    )
+    train_type: str = field(default="seq", metadata={"help": "titans_tokens: seq or sft."})
+    window_size: int | None = field(
+        default=None, metadata={"help": "titans_tokens: tokens per training row (a multiple of chunk_size is best)."}
+    )
+    stride: int | None = field(default=None, metadata={"help": "titans_tokens: tokens between windows (default: "
+                                                               "window_size)."})
+    respect_document_boundaries: bool = field(
+        default=False, metadata={"help": "titans_tokens: keep every window inside one document."}
     )
     data_tasks: list[str] | None = field(
         default=None,
@@ -103,7 +132,8 @@ class DataArguments:
         metadata={"help": "Cut answers longer than the room left after the prompt (counted in the log); by default "
                   "such an answer is an error naming its row."},
     )
-    train_ratio: float = field(default=0.9, metadata={"help": "Seeded train share of the rows; the rest evaluates."})
+    train_ratio: float = field(default=0.9, metadata={"help": "Seeded train share of the rows (without "
+                                                                    "eval_data_files); the rest evaluates."})
     pad_to_max_length: bool | None = field(
         default=None,
         metadata={
@@ -115,10 +145,23 @@ class DataArguments:
     max_eval_samples: int | None = field(default=None, metadata={"help": "Keep the first N evaluation rows."})
 
 
+    def __post_init__(self):
+        if self.dataset not in DATASETS:
+            raise ValueError(f"--dataset {self.dataset!r} must be one of {list(DATASETS)}")
+        if self.dataset == "titans_tokens":
+            if not self.data_files:
+                raise ValueError("--dataset titans_tokens needs --data_files (token stores written by titans-hf "
+                                 "prepare)")
+            if self.window_size is None:
+                raise ValueError("--dataset titans_tokens needs --window_size (tokens per training row)")
+            if self.train_type not in ("seq", "sft"):
+                raise ValueError(f"--train_type {self.train_type!r}: memory training reads seq or sft windows")
+
+
 @dataclass
-class BabilongTrainingArguments(TitansTrainingArguments):
+class RecipeTrainingArguments(TitansTrainingArguments):
     output_dir: str | None = field(
-        default="outputs/qwen_titans_babilong",
+        default="outputs/titans_memory",
         metadata={"help": "Checkpoints go to checkpoint-N below it, the final memory into it."},
     )
 
@@ -174,7 +217,29 @@ def load_babilong_splits(
     return train, evaluation
 
 
-def train_babilong(
+def load_token_splits(data_args: DataArguments, vocab_size: int) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """Train and evaluation windows of the `titans_tokens` builder: `eval_data_files` as the held-out split, else a
+    seeded `train_ratio` share of the windows. Ids at or above the model's `vocab_size` are refused."""
+    common = dict(train_type=data_args.train_type, window_size=data_args.window_size, stride=data_args.stride,
+                  respect_document_boundaries=data_args.respect_document_boundaries, vocab_size=vocab_size)
+    files = {"train": list(data_args.data_files)}
+    if data_args.eval_data_files:
+        files["validation"] = list(data_args.eval_data_files)
+    windows = datasets.load_dataset("titans_tokens", data_files=files, **common)
+    train = windows["train"]
+    if "validation" in windows:
+        evaluation = windows["validation"]
+    else:
+        split = train.train_test_split(train_size=data_args.train_ratio, seed=data_args.generation_seed)
+        train, evaluation = split["train"], split["test"]
+    if data_args.max_train_samples is not None:
+        train = train.select(range(min(data_args.max_train_samples, len(train))))
+    if data_args.max_eval_samples is not None:
+        evaluation = evaluation.select(range(min(data_args.max_eval_samples, len(evaluation))))
+    return train, evaluation
+
+
+def train_memory(
     model_args: ModelArguments,
     memory_args: MemoryArguments,
     data_args: DataArguments,
@@ -183,13 +248,18 @@ def train_babilong(
 ) -> TitansTrainer:
     """Build rows and model, train (resuming if asked), write the final memory into `output_dir`."""
     tokenizer_name = data_args.tokenizer_name_or_path or model_args.model_name_or_path
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_name)
-    pad_to_max_length = data_args.pad_to_max_length
-    if pad_to_max_length is None:
-        pad_to_max_length = training_args.curriculum_chunks is None
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_name, trust_remote_code=False)
     # Rank 0 builds the Arrow cache; the other ranks then read it instead of racing to write it.
-    with training_args.main_process_first(desc="building BABILong rows"):
-        train_rows, eval_rows = load_babilong_splits(data_args, tokenizer_name, pad_to_max_length)
+    with training_args.main_process_first(desc=f"building {data_args.dataset} rows"):
+        if data_args.dataset == "titans_tokens":
+            base_config = AutoConfig.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision,
+                                                     trust_remote_code=False)
+            train_rows, eval_rows = load_token_splits(data_args, base_config.vocab_size)
+        else:
+            pad_to_max_length = data_args.pad_to_max_length
+            if pad_to_max_length is None:
+                pad_to_max_length = training_args.curriculum_chunks is None
+            train_rows, eval_rows = load_babilong_splits(data_args, tokenizer_name, pad_to_max_length)
 
     set_seed(training_args.seed)  # the memory's initial weights: the same on every run of the same arguments
     dtype = model_args.dtype if model_args.dtype in (None, "auto") else getattr(torch, model_args.dtype)
@@ -207,6 +277,7 @@ def train_babilong(
         eval_dataset=eval_rows,
         processing_class=tokenizer,
         callbacks=callbacks,
+        compute_metrics=answer_exact_match if data_args.dataset == "titans_babilong" else None,
     )
     resume = training_args.resume_from_checkpoint
     trainer.train(resume_from_checkpoint=True if resume == "last" else resume)
