@@ -1,8 +1,8 @@
-"""Build small tokenizers and Qwen models on disk, with no download.
+"""A public helper: small tokenizers and Qwen models built on disk, with no download.
 
-Tests and the demo must run offline, yet they should exercise the same
-``from_pretrained`` path a hub id takes. These helpers write ordinary
-Hugging Face folders that ``AutoTokenizer`` / ``AutoModelForCausalLM`` load.
+The demo's stand-in base, the tests and the benchmarks run offline, yet they exercise the same
+``from_pretrained`` path a Hub id takes: these functions write ordinary Hugging Face folders that
+``AutoTokenizer`` / ``AutoModelForCausalLM`` load. Useful for trying a recipe on a laptop in seconds.
 """
 
 from __future__ import annotations
