@@ -293,3 +293,28 @@ if __name__ == "__main__":
     else:
         fsdp_worker(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6])
     exit_without_finalising()
+
+
+def test_two_process_ddp_training_on_a_token_store(tmp_path, tiny_qwen3_dir):
+    """`accelerate launch` of scripts/train.py on a seq store: two gloo ranks share the windows of one run."""
+    from titans_hf.commands import main as cli_main
+
+    documents = tmp_path / "doc.txt"
+    documents.write_text("Ships waited in the harbour for the tide, their sails folded against the grey sky. " * 60)
+    assert cli_main(["prepare", str(documents), "-o", str(tmp_path / "corpus.h5"), "--tokenizer",
+                     str(tiny_qwen3_dir)]) == 0
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "cpu_ddp.yaml"),
+        str(REPO / "scripts" / "train.py"), "--dataset", "titans_tokens", "--data_files", str(tmp_path / "corpus.h5"),
+        "--window_size", "128", "--model_name_or_path", str(tiny_qwen3_dir), "--chunk_size", "32",
+        "--memory_chunk_size", "8", "--memory_head_dim", "16", "--output_dir", str(tmp_path / "out"),
+        "--gradient_accumulation_steps", "1", "--max_steps", "2", "--save_steps", "1", "--report_to", "none",
+        "--disable_tqdm", "true",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path / "hf_home")}
+    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    assert json.loads((tmp_path / "out" / "training_args.json").read_text())["world_size"] == 2
+    assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(os.listdir(tmp_path / "out" / "checkpoint-2"))
+    weights = load_file(tmp_path / "out" / "memory_model.safetensors")
+    assert weights and not [name for name in weights if name.startswith(("model.", "lm_head."))]
