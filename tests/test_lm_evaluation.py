@@ -12,9 +12,10 @@ from titans_hf.lm_evaluation import LM_PLOT_NAME, LM_RESULTS_NAME, evaluate_lm, 
 from titans_hf.modeling import TitansQwenForCausalLM
 
 
-def by_hand(model, windows, chunk_size):
-    """Sum and count of the cross-entropy of every labelled token, per chunk of the token's position."""
-    sums, counts = {}, {}
+def by_hand(model, windows, chunk_size, boundary_tokens=3):
+    """Mean cross-entropy and count of the labelled tokens per chunk of the token's position, and the mean over the
+    first `boundary_tokens` positions of the chunks after the first."""
+    sums, counts, starts = {}, {}, []
     for row in windows:
         ids = torch.tensor([row["input_ids"]])
         with torch.no_grad():
@@ -26,7 +27,10 @@ def by_hand(model, windows, chunk_size):
             chunk = t // chunk_size
             sums[chunk] = sums.get(chunk, 0.0) + loss
             counts[chunk] = counts.get(chunk, 0) + 1
-    return [sums[c] / counts[c] for c in sorted(sums)], [counts[c] for c in sorted(counts)]
+            if chunk and t % chunk_size < boundary_tokens:
+                starts.append(loss)
+    return ([sums[c] / counts[c] for c in sorted(sums)], [counts[c] for c in sorted(counts)],
+            sum(starts) / len(starts))
 
 
 def test_loss_per_chunk_equals_the_hand_computed_loss_with_and_without_memory(tiny_qwen3_dir, tmp_path):
@@ -44,13 +48,18 @@ def test_loss_per_chunk_equals_the_hand_computed_loss_with_and_without_memory(ti
         labels[5] = labels[17] = -100  # a loss mask, as an sft store gives
         windows.append({"input_ids": ids, "labels": labels, "attention_mask": [1] * length})
 
-    results = evaluate_lm(model.eval(), windows, batch_size=2, output_dir=tmp_path, show_progress=False)
-    expected, counts = by_hand(model, windows, 8)
+    results = evaluate_lm(model.eval(), windows, batch_size=2, output_dir=tmp_path, boundary_tokens=3,
+                          show_progress=False)
+    expected, counts, starts = by_hand(model, windows, 8)
     assert results["memory"]["tokens"] == counts == [7 * 3 - 3, 8 * 3, 7 + 7 + 2]
     for got, want in zip(results["memory"]["loss"], expected):
         assert math.isclose(got, want, rel_tol=1e-5)
+    assert math.isclose(results["memory"]["loss_chunk_starts"], starts, rel_tol=1e-5)
     with model.memory_disabled():
-        expected_off, _ = by_hand(model, windows, 8)
+        expected_off, _, starts_off = by_hand(model, windows, 8)
+    assert math.isclose(results["no_memory"]["loss_chunk_starts"], starts_off, rel_tol=1e-5)
+    assert results["ratio"]["chunk_starts"] == (results["memory"]["loss_chunk_starts"]
+                                                / results["no_memory"]["loss_chunk_starts"])
     for got, want in zip(results["no_memory"]["loss"], expected_off):
         assert math.isclose(got, want, rel_tol=1e-5)
     assert results["ratio"]["per_chunk"] == [a / b for a, b in zip(results["memory"]["loss"],
@@ -61,4 +70,6 @@ def test_loss_per_chunk_equals_the_hand_computed_loss_with_and_without_memory(ti
     assert (tmp_path / LM_PLOT_NAME).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = format_lm_table(results)
     assert table.splitlines()[0].split() == ["chunk", "tokens", "memory", "no", "memory", "ratio"]
-    assert len(table.splitlines()) == 4
+    assert len(table.splitlines()) == 5
+    assert table.splitlines()[-1] == (f"first 3 tokens of every later chunk: memory "
+                                      f"{results['memory']['loss_chunk_starts']:.3f}, no memory {starts_off:.3f}")

@@ -14,7 +14,7 @@ from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
 
 import titans_hf  # noqa: F401  (registers the builder)
 from titans_hf.data.stores import STORE_WRITERS
-from titans_hf.data.tokens_builder import TitansTokens
+from titans_hf.data.tokens_builder import TitansTokens, store_data_files
 
 # 40 documents of 3..42 tokens: 900 tokens, enough windows for several ranges.
 DOCUMENTS = [np.arange(100 * index, 100 * index + 3 + index) for index in range(40)]
@@ -163,3 +163,13 @@ def test_bad_arguments_and_inputs_name_the_problem(stores, tmp_path):
     not_a_store.write_text("hello")
     with pytest.raises(ValueError, match=r"notes.txt: not an HDF5 file and not part of a bin store"):
         load(str(not_a_store), cache, window_size=4)
+
+
+def test_a_bin_store_folder_stands_for_its_meta_json(stores, tmp_path):
+    h5, bin_dir = stores
+    assert store_data_files([bin_dir, h5, "stores/*.h5"]) == [str(bin_dir / "meta.json"), str(h5), "stores/*.h5"]
+    by_folder = load(store_data_files([bin_dir]), tmp_path / "a", window_size=16)
+    assert by_folder["input_ids"] == load(str(bin_dir / "meta.json"), tmp_path / "b", window_size=16)["input_ids"]
+    # with pad_tail the last, shorter window of each document is kept, padded: every document gives one or more
+    padded = load(str(h5), tmp_path / "c", window_size=16, respect_document_boundaries=True, pad_tail=True)
+    assert len(padded) == sum(-(-len(document) // 16) for document in DOCUMENTS)

@@ -23,25 +23,20 @@ import hashlib
 import logging
 import math
 import random
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import datasets
 import torch
 from safetensors.torch import load_file
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
-    DataCollatorForLanguageModeling,
-    Trainer,
-    TrainingArguments,
     set_seed,
 )
 
 from titans_hf.evaluation import evaluate_babilong, load_model_for_eval
-from titans_hf.local_models import build_qwen, build_tokenizer
+from titans_hf.local_models import build_qwen, build_tokenizer, pretrain_causal_lm
 from titans_hf.tasks.babilong import (
     ACTORS,
     LOCATIONS,
@@ -83,6 +78,8 @@ MEMORY_SETTINGS = dict(
     memory_chunk_size=8,
     max_lr=1.0,
     checkpoint_chunks=False,  # a few hundred tokens: recomputation would only cost time
+    # chunk-local attention: with memory off, no chunk sees another, so the ablation shows what the memory carries
+    attend_previous_chunk=False,
 )
 
 # What people and places are like, in the stand-in's pretraining text. In real text every name has contexts of its
@@ -187,32 +184,10 @@ def pretrain_base(
                                  seed=10_000 + 10 * seed + index)
         documents += [PROMPT_TEMPLATE.format(**row) + f" {row['target']}" for row in rows]
     random.Random(seed).shuffle(documents)
-    encoded = tokenizer(documents, truncation=True, max_length=max_tokens - 1)["input_ids"]
-    rows = datasets.Dataset.from_dict({"input_ids": [ids + [tokenizer.eos_token_id] for ids in encoded]})
-    with tempfile.TemporaryDirectory(prefix="titans_demo_pretrain_") as scratch:
-        args = TrainingArguments(
-            output_dir=scratch,
-            max_steps=steps,
-            per_device_train_batch_size=batch_size,
-            learning_rate=learning_rate,
-            lr_scheduler_type="cosine",
-            warmup_steps=30,
-            weight_decay=0.0,
-            max_grad_norm=1.0,
-            logging_steps=max(1, steps // 10),
-            save_strategy="no",
-            report_to=[],
-            use_cpu=True,
-            seed=seed,
-            disable_tqdm=not show_progress,
-        )
-        collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
-        trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collator)
-        trainer.train()
-    model.save_pretrained(base_dir)
-    tokenizer.save_pretrained(base_dir)
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    return {"steps": trainer.state.global_step, "documents": len(documents), "final_loss": losses[-1],
+    losses = pretrain_causal_lm(model, tokenizer, documents, base_dir, steps, batch_size=batch_size,
+                                learning_rate=learning_rate, max_tokens=max_tokens, seed=seed,
+                                show_progress=show_progress)
+    return {"steps": steps, "documents": len(documents), "final_loss": losses[-1],
             "shape": STAND_IN_BASE, "entity_share": entity_share,
             "embedding_similarity": embedding_similarity(model, tokenizer)}
 

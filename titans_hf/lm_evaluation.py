@@ -25,11 +25,14 @@ LM_RESULTS_NAME = "lm_results.json"
 LM_PLOT_NAME = "loss_per_chunk.png"
 
 
-def _per_chunk(model, windows: Sequence[dict[str, Any]], batch_size: int, progress) -> tuple[list[float], list[int]]:
-    """Summed loss and token count per chunk index over `windows`."""
+def _per_chunk(model, windows: Sequence[dict[str, Any]], batch_size: int, boundary_tokens: int,
+               progress) -> tuple[list[float], list[int], list[float]]:
+    """Summed loss and token count per chunk index over `windows`, and the summed loss and count of the tokens
+    within `boundary_tokens` of the start of a chunk after the first."""
     chunk_size = model.config.memory_config.chunk_size
     sums: list[float] = []
     counts: list[int] = []
+    starts = [0.0, 0]
     for start in range(0, len(windows), batch_size):
         rows = [windows[i] for i in range(start, min(start + batch_size, len(windows)))]
         width = max(len(row["input_ids"]) for row in rows)
@@ -55,8 +58,12 @@ def _per_chunk(model, windows: Sequence[dict[str, Any]], batch_size: int, progre
             span = slice(chunk * chunk_size, (chunk + 1) * chunk_size)
             sums[chunk] += float(losses[:, span][labelled[:, span]].double().sum())
             counts[chunk] += int(labelled[:, span].sum())
+            if chunk:
+                head = slice(chunk * chunk_size, chunk * chunk_size + boundary_tokens)
+                starts[0] += float(losses[:, head][labelled[:, head]].double().sum())
+                starts[1] += int(labelled[:, head].sum())
         progress.update(len(rows))
-    return sums, counts
+    return sums, counts, starts
 
 
 def evaluate_lm(
@@ -65,6 +72,7 @@ def evaluate_lm(
     batch_size: int = 8,
     output_dir: str | os.PathLike | None = None,
     ablation: bool = True,
+    boundary_tokens: int = 8,
     show_progress: bool = True,
 ) -> dict[str, Any]:
     """Loss and perplexity per chunk index of `windows` (rows with `input_ids`, `labels`, optionally
@@ -74,14 +82,20 @@ def evaluate_lm(
 
         {"chunk_size": C, "num_windows": N,
          "memory":    {"loss": [per chunk], "perplexity": [...], "tokens": [...], "loss_after_first_chunk": x,
-                       "loss_first_chunk": y},
+                       "loss_first_chunk": y, "loss_chunk_starts": z},
          "no_memory": {... the same ...},
-         "ratio": {"per_chunk": [memory / no memory], "after_first_chunk": ..., "first_chunk": ...}}
+         "ratio": {"per_chunk": [memory / no memory], "after_first_chunk": ..., "first_chunk": ...,
+                   "chunk_starts": ...}}
 
-    A chunk with no labelled token has loss None.
+    `loss_chunk_starts` is the loss of the first `boundary_tokens` tokens of every chunk after the first, where a
+    chunk's attention has seen the least (what `attend_previous_chunk` is for). A chunk with no labelled token has
+    loss None.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} must be >= 1")
+    if not 1 <= boundary_tokens <= model.config.memory_config.chunk_size:
+        raise ValueError(f"boundary_tokens={boundary_tokens} must lie in [1, chunk_size="
+                         f"{model.config.memory_config.chunk_size}]")
     if not len(windows):
         raise ValueError("evaluate_lm: no windows to evaluate")
     if ablation and not hasattr(model, "memory_disabled"):
@@ -89,16 +103,17 @@ def evaluate_lm(
     modes = ["memory", "no_memory"] if ablation else ["memory"]
     was_training = model.training
     model.eval()
-    results: dict[str, Any] = {"chunk_size": model.config.memory_config.chunk_size, "num_windows": len(windows)}
+    results: dict[str, Any] = {"chunk_size": model.config.memory_config.chunk_size, "num_windows": len(windows),
+                               "boundary_tokens": boundary_tokens}
     try:
         with tqdm(total=len(windows) * len(modes), desc="LM eval", unit="window", disable=not show_progress) as bar:
             for mode in modes:
                 bar.set_description(f"LM eval, {mode.replace('_', ' ')}")
                 if mode == "memory":
-                    sums, counts = _per_chunk(model, windows, batch_size, bar)
+                    sums, counts, starts = _per_chunk(model, windows, batch_size, boundary_tokens, bar)
                 else:
                     with model.memory_disabled():
-                        sums, counts = _per_chunk(model, windows, batch_size, bar)
+                        sums, counts, starts = _per_chunk(model, windows, batch_size, boundary_tokens, bar)
                 losses = [s / c if c else None for s, c in zip(sums, counts)]
                 later = sum(counts[1:])
                 results[mode] = {
@@ -107,6 +122,7 @@ def evaluate_lm(
                     "tokens": counts,
                     "loss_first_chunk": losses[0],
                     "loss_after_first_chunk": sum(sums[1:]) / later if later else None,
+                    "loss_chunk_starts": starts[0] / starts[1] if starts[1] else None,
                 }
     finally:
         model.train(was_training)
@@ -120,6 +136,7 @@ def evaluate_lm(
             "per_chunk": [ratio(a, b) for a, b in zip(on["loss"], off["loss"])],
             "first_chunk": ratio(on["loss_first_chunk"], off["loss_first_chunk"]),
             "after_first_chunk": ratio(on["loss_after_first_chunk"], off["loss_after_first_chunk"]),
+            "chunk_starts": ratio(on["loss_chunk_starts"], off["loss_chunk_starts"]),
         }
     if output_dir is not None:
         folder = Path(output_dir)
@@ -163,4 +180,10 @@ def format_lm_table(results: dict[str, Any]) -> str:
         ratio = results.get("ratio", {}).get("per_chunk", [None] * (index + 1))[index]
         lines.append([str(index), str(results["memory"]["tokens"][index]), number(loss), number(off), number(ratio)])
     widths = [max(len(line[i]) for line in lines) for i in range(5)]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines)
+    table = "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines)
+    starts = results["memory"].get("loss_chunk_starts")
+    if starts is None:
+        return table
+    off = results.get("no_memory", {}).get("loss_chunk_starts")
+    return (f"{table}\nfirst {results['boundary_tokens']} tokens of every later chunk: memory {number(starts)}, "
+            f"no memory {number(off)}")

@@ -7,6 +7,7 @@ The demo's stand-in base, the tests and the benchmarks run offline, yet they exe
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Iterable
 
@@ -76,3 +77,49 @@ def build_qwen(
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(str(out_dir))
     return model
+
+
+def pretrain_causal_lm(
+    model,
+    tokenizer,
+    documents: list[str],
+    out_dir: str | Path,
+    steps: int,
+    batch_size: int = 32,
+    learning_rate: float = 3e-3,
+    max_tokens: int | None = None,
+    seed: int = 0,
+    show_progress: bool = True,
+) -> list[float]:
+    """Train `model` as an ordinary causal LM on `documents` (each ended by EOS, at most `max_tokens` tokens) with
+    the plain `transformers.Trainer`, cosine schedule, then save it with its tokenizer in `out_dir`. Returns the
+    logged training losses."""
+    import datasets
+    from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+
+    truncation = dict(truncation=True, max_length=max_tokens - 1) if max_tokens else {}
+    encoded = tokenizer(documents, **truncation)["input_ids"]
+    rows = datasets.Dataset.from_dict({"input_ids": [ids + [tokenizer.eos_token_id] for ids in encoded]})
+    with tempfile.TemporaryDirectory(prefix="titans_pretrain_") as scratch:
+        args = TrainingArguments(
+            output_dir=scratch,
+            max_steps=steps,
+            per_device_train_batch_size=batch_size,
+            learning_rate=learning_rate,
+            lr_scheduler_type="cosine",
+            warmup_steps=30,
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            logging_steps=max(1, steps // 10),
+            save_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            seed=seed,
+            disable_tqdm=not show_progress,
+        )
+        collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+        trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collator)
+        trainer.train()
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]

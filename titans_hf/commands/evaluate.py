@@ -19,6 +19,7 @@ from titans_hf.evaluation import (
     load_model_for_eval,
     prepare_output_dir,
 )
+from titans_hf.data.tokens_builder import store_data_files
 from titans_hf.lm_evaluation import LM_PLOT_NAME, LM_RESULTS_NAME, evaluate_lm, format_lm_table
 from titans_hf.tasks.babilong import GENERATED_TASKS, generate_babilong, length_tokens
 from titans_hf.tasks.babilong.generate import read_haystack_sentences
@@ -56,6 +57,12 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--stride", type=int, default=None, help="--lm: tokens between windows (default: window)")
     parser.add_argument("--train-type", default="seq", choices=["seq", "sft"],
                         help="--lm: seq counts every token, sft only those its loss mask marks")
+    parser.add_argument("--respect-document-boundaries", action="store_true",
+                        help="--lm: keep every window inside one document")
+    parser.add_argument("--pad-tail", action="store_true",
+                        help="--lm: also keep the last, shorter window (of each document), right-padded")
+    parser.add_argument("--boundary-tokens", type=int, default=8,
+                        help="--lm: the loss of this many tokens at the start of every later chunk is reported too")
     parser.add_argument("--max-windows", type=int, default=None, help="--lm: evaluate the first N windows only")
     parser.add_argument("--num-samples", type=int, default=100, help="rows per task and length (--generate)")
     parser.add_argument("--seed", type=int, default=1, help="generation seed; use one the training data did not")
@@ -117,13 +124,14 @@ def lm_eval_command(args: argparse.Namespace) -> int:
     prepare_output_dir(args.output)
     model, _ = load_model_for_eval(args.model, args.memory, args.tokenizer, args.dtype, args.device)
     windows = datasets.load_dataset(
-        "titans_tokens", data_files=list(args.data), train_type=args.train_type, window_size=args.window_size,
-        stride=args.stride, vocab_size=model.config.text_config.vocab_size, split="train",
+        "titans_tokens", data_files=store_data_files(args.data), train_type=args.train_type, window_size=args.window_size,
+        stride=args.stride, respect_document_boundaries=args.respect_document_boundaries, pad_tail=args.pad_tail,
+        vocab_size=model.config.text_config.vocab_size, split="train",
     )
     if args.max_windows is not None:
         windows = windows.select(range(min(args.max_windows, len(windows))))
     results = evaluate_lm(model, windows, batch_size=args.batch_size, output_dir=args.output,
-                          ablation=not args.no_ablation)
+                          ablation=not args.no_ablation, boundary_tokens=args.boundary_tokens)
     print(format_lm_table(results))
     print(f"wrote {Path(args.output) / LM_RESULTS_NAME}, {Path(args.output) / LM_PLOT_NAME}")
     return 0

@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 from datasets.builder import Key
 
-from titans_hf.data.stores import detect_format, open_store
+from titans_hf.data.stores import META_FILE, detect_format, open_store
 from titans_hf.data.windows import TRAIN_TYPE_KEYS, TokenExamples
 
 # Each store is cut into this many window ranges: enough shards for any sensible num_proc.
@@ -56,6 +56,13 @@ FEATURES: dict[str, datasets.Features] = {
         }
     ),
 }
+
+
+def store_data_files(paths: Iterable[str | Path]) -> list[str]:
+    """`data_files` for the builder from what users name: a bin store folder stands for its `meta.json` (datasets
+    resolves files and patterns, not folders); files and patterns pass through."""
+    return [str(Path(path) / META_FILE) if Path(path).is_dir() and (Path(path) / META_FILE).is_file() else str(path)
+            for path in paths]
 
 
 def store_roots(files: Iterable[str | Path]) -> list[Path]:

@@ -33,6 +33,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, TrainerCallback, set_seed
 
 from titans_hf.data.babilong_builder import build_babilong
+from titans_hf.data.tokens_builder import store_data_files
 from titans_hf.hub import TitansMemoryConfig
 from titans_hf.modeling import TitansQwenForCausalLM
 from titans_hf.tasks.babilong import find_babilong_sources
@@ -103,6 +104,11 @@ class DataArguments:
                                                                "window_size)."})
     respect_document_boundaries: bool = field(
         default=False, metadata={"help": "titans_tokens: keep every window inside one document."}
+    )
+    pad_tail: bool = field(
+        default=False,
+        metadata={"help": "titans_tokens: also keep the last, shorter window (of each document, with "
+                  "respect_document_boundaries), right-padded to window_size."},
     )
     data_tasks: list[str] | None = field(
         default=None,
@@ -221,10 +227,11 @@ def load_token_splits(data_args: DataArguments, vocab_size: int) -> tuple[datase
     """Train and evaluation windows of the `titans_tokens` builder: `eval_data_files` as the held-out split, else a
     seeded `train_ratio` share of the windows. Ids at or above the model's `vocab_size` are refused."""
     common = dict(train_type=data_args.train_type, window_size=data_args.window_size, stride=data_args.stride,
-                  respect_document_boundaries=data_args.respect_document_boundaries, vocab_size=vocab_size)
-    files = {"train": list(data_args.data_files)}
+                  respect_document_boundaries=data_args.respect_document_boundaries, pad_tail=data_args.pad_tail,
+                  vocab_size=vocab_size)
+    files = {"train": store_data_files(data_args.data_files)}
     if data_args.eval_data_files:
-        files["validation"] = list(data_args.eval_data_files)
+        files["validation"] = store_data_files(data_args.eval_data_files)
     windows = datasets.load_dataset("titans_tokens", data_files=files, **common)
     train = windows["train"]
     if "validation" in windows:
