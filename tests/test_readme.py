@@ -2,8 +2,9 @@
 with a tiny tokenizer served by the loopback Hub of test_hub.py (so Hub ids resolve and pushes land there), and
 the folder holds the files the blocks read (text documents, chats, a snapshot of published BABILong parquet).
 
-The quick-start block is the one exception: it runs the main job (scripts/demo.sh) and this very suite
-(scripts/test.sh), which CI runs through .ci/run.
+Two blocks are run elsewhere: the quick start runs the main job (scripts/demo.sh) and this very suite
+(scripts/test.sh), which CI runs through .ci/run; the recall recipe's block (scripts/recall.sh, minutes) runs as
+written, on tiny sizes, in test_recall_recipe.py.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from titans_hf.tasks.babilong import generate_babilong
 README = Path(__file__).resolve().parent.parent / "README.md"
 BASE_REPO = "Qwen/Qwen2.5-0.5B"
 QUICK_START = ("scripts/demo.sh", "scripts/test.sh")
+RECALL = "scripts/recall.sh"
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|endoftext|>{{ message['role'] }}\n{{ message['content'] }}<|endoftext|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|endoftext|>assistant\n{% endif %}"
@@ -47,6 +49,7 @@ def readme_blocks() -> list[tuple[str, str]]:
 def test_the_readme_shows_runnable_blocks_and_the_quick_start():
     blocks = readme_blocks()
     assert sum(all(command in code for command in QUICK_START) for _, code in blocks) == 1
+    assert sum(RECALL in code for _, code in blocks) == 1
     assert len(blocks) >= 10 and {language for language, _ in blocks} == {"bash", "python"}
 
 
@@ -102,7 +105,7 @@ def sandbox(tmp_path, tiny_tokenizer_dir, monkeypatch):
 def test_every_readme_block_runs_as_written(sandbox):
     work, env, stub = sandbox
     for number, (language, code) in enumerate(readme_blocks()):
-        if all(command in code for command in QUICK_START):
+        if all(command in code for command in QUICK_START) or RECALL in code:
             continue
         command = ["bash", "-euo", "pipefail", "-c", code] if language == "bash" else [sys.executable, "-c", code]
         result = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True)

@@ -11,7 +11,7 @@ import importlib.abc
 import importlib.util
 import sys
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 from . import modeling  # noqa: E402,F401  (registers titans_qwen with the transformers Auto classes)
 

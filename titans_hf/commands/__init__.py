@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import argparse
 
-from . import babilong, demo, evaluate, prepare, push, train
+from . import babilong, demo, evaluate, prepare, push, recall, train
 
-SUBCOMMANDS = (prepare, babilong, train, evaluate, push, demo)
+SUBCOMMANDS = (prepare, babilong, recall, train, evaluate, push, demo)
 
 
 def build_parser() -> argparse.ArgumentParser:

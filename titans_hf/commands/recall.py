@@ -1,0 +1,139 @@
+"""`titans-hf recall`: the recall corpus, long documents whose facts stated early are needed chunks later.
+
+- `titans-hf recall generate`: training and held-out documents as `.jsonl` text (for `titans-hf prepare`), and the
+  held-out documents' `sft` store whose loss mask marks the recalled values (for `titans-hf eval --lm`);
+- `titans-hf recall stand-in`: a tokenizer and a small Qwen3 pretrained on short recall text, the offline base of
+  `scripts/recall.sh` (a pretrained Qwen needs no stand-in).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from titans_hf.tasks.recall import (
+    DEFAULT_PEOPLE,
+    DEFAULT_POOL_SIZE,
+    build_recall_eval_store,
+    iter_recall_documents,
+    people_pool,
+    value_pool,
+    write_recall_jsonl,
+)
+from titans_hf.tasks.recall.files import check_store_output
+from titans_hf.tasks.recall.stand_in import pretrain_stand_in
+
+from .babilong import check_outputs
+
+TRAIN_NAME, EVAL_NAME, EVAL_DEPENDENT_NAME = "train.jsonl", "eval.jsonl", "eval_dependent"
+
+
+def add_corpus_arguments(parser: argparse.ArgumentParser) -> None:
+    """What a document holds (the defaults are the measured recipe's)."""
+    parser.add_argument("--pool-size", type=int, default=DEFAULT_POOL_SIZE, help="invented names values come from")
+    parser.add_argument("--people", type=int, default=DEFAULT_PEOPLE, help="people documents are about, in all")
+    parser.add_argument("--num-people", type=int, default=4, help="people per document, one statement each")
+    parser.add_argument("--max-references", type=int, default=8, help="later references per person")
+    parser.add_argument("--reference-rate", type=float, default=0.9,
+                        help="chance that a body sentence refers back, when a reference is due")
+    parser.add_argument("--echo-rate", type=float, default=1.0,
+                        help="share of references that repeat the statement's cue (\"Orlen's horse Tamsin ...\"), "
+                        "the rest name an action (\"Orlen saddled Tamsin ...\")")
+
+
+def corpus_settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {"pool": value_pool(args.pool_size), "people": people_pool(args.people), "num_people": args.num_people,
+            "max_references": args.max_references, "reference_rate": args.reference_rate,
+            "echo_rate": args.echo_rate}
+
+
+def register(subcommands: argparse._SubParsersAction) -> None:
+    parser = subcommands.add_parser("recall", help="the recall corpus: facts stated early, needed chunks later")
+    actions = parser.add_subparsers(dest="recall_command", required=True)
+
+    generate = actions.add_parser(
+        "generate",
+        help="write recall documents as .jsonl text and the held-out documents' dependent-token store",
+        description="Seeded documents of ordinary prose in which people are given attributes early (\"Captain "
+        "Orlen's horse was called Tamsin.\") and referred to at least --min-distance tokens later; each is at most "
+        "--window-size - 1 tokens of TOKENIZER (EOS makes one window). Writes OUTPUT_DIR/train.jsonl and eval.jsonl "
+        "(titans-hf prepare them into seq stores) and OUTPUT_DIR/eval_dependent, an sft store of the held-out "
+        "documents whose loss mask marks the recalled values (titans-hf eval --lm --train-type sft).",
+    )
+    generate.add_argument("--output-dir", required=True)
+    generate.add_argument("--tokenizer", required=True, help="tokenizer name or path that counts the tokens")
+    generate.add_argument("--num-train", type=int, default=19200, help="training documents")
+    generate.add_argument("--num-eval", type=int, default=128, help="held-out documents (another seed)")
+    generate.add_argument("--window-size", type=int, default=256, help="tokens of a document with its EOS")
+    generate.add_argument("--min-distance", type=int, default=32,
+                          help="tokens between a value's last mention and its reference; one chunk or more puts every "
+                          "recalled value in a later chunk than its statement")
+    add_corpus_arguments(generate)
+    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--overwrite", action="store_true",
+                          help="replace existing outputs (the store only if it is a token store)")
+    generate.set_defaults(func=generate_command)
+
+    stand_in = actions.add_parser(
+        "stand-in",
+        help="pretrain a small Qwen3 and its tokenizer on short recall text (the offline base of scripts/recall.sh)",
+        description="Stage a of the recall recipe: a byte-level tokenizer and a small Qwen3 trained with the plain "
+        "transformers.Trainer on short recall documents and name glossaries, saved as a plain Qwen folder.",
+    )
+    stand_in.add_argument("--output-dir", required=True)
+    stand_in.add_argument("--steps", type=int, default=1200)
+    stand_in.add_argument("--batch-size", type=int, default=32)
+    stand_in.add_argument("--learning-rate", type=float, default=3e-3)
+    add_corpus_arguments(stand_in)
+    stand_in.add_argument("--seed", type=int, default=0)
+    stand_in.add_argument("--overwrite", action="store_true", help="replace an existing stand-in folder")
+    stand_in.set_defaults(func=stand_in_command)
+
+
+def generate_command(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    output = Path(args.output_dir)
+    check_outputs([output / TRAIN_NAME, output / EVAL_NAME], args.overwrite)
+    check_store_output(output / EVAL_DEPENDENT_NAME, args.overwrite)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, trust_remote_code=False)
+    settings = dict(corpus_settings(args), length=args.window_size - 1, min_distance=args.min_distance)
+    write_recall_jsonl(iter_recall_documents(args.num_train, seed=args.seed, tokenizer=tokenizer, **settings),
+                       output / TRAIN_NAME)
+    held_out = list(iter_recall_documents(args.num_eval, seed=args.seed + 1, tokenizer=tokenizer, **settings))
+    write_recall_jsonl(held_out, output / EVAL_NAME)
+    build_recall_eval_store(held_out, output / EVAL_DEPENDENT_NAME, args.tokenizer, overwrite=args.overwrite)
+    references = sum(len(document.references) for document in held_out)
+    print(f"wrote {output / TRAIN_NAME} ({args.num_train} documents), {output / EVAL_NAME} ({args.num_eval}, "
+          f"{references} recalled values) and {output / EVAL_DEPENDENT_NAME}")
+    return 0
+
+
+def stand_in_command(args: argparse.Namespace) -> int:
+    output = Path(args.output_dir)
+    if output.exists() and not args.overwrite:
+        raise FileExistsError(f"output {output} exists; pass --overwrite to replace it")
+    if output.exists() and not (output / "config.json").is_file():
+        raise ValueError(f"{output}: will not replace it, even with --overwrite: it holds no config.json, so it "
+                         "is not a model folder")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    # trained in a temporary folder beside the output, renamed into place once saved: a killed run leaves no
+    # folder that looks like a finished base
+    scratch = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
+    try:
+        done = pretrain_stand_in(scratch, corpus_settings(args), steps=args.steps, batch_size=args.batch_size,
+                                 learning_rate=args.learning_rate, seed=args.seed)
+        (scratch / "stand_in.json").write_text(json.dumps(done, indent=2) + "\n")
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    if output.exists():
+        shutil.rmtree(output)
+    scratch.rename(output)
+    print(f"stand-in base {output}: {done['steps']} steps, final loss {done['final_loss']:.3f}, mean cosine of the "
+          f"values' embeddings {done['value_embedding_cosine']:.2f}")
+    return 0
