@@ -637,3 +637,12 @@ def test_trainer_push_to_hub_pushes_the_memory_only(hub, hub_token, tiny_qwen3_d
     card = ModelCard(hub.files[REPO_ID]["README.md"].decode())
     assert card.data.base_model == "someone/tiny-qwen3" and card.data.datasets == ["someone/long-documents"]
     assert json.loads(hub.files[REPO_ID]["memory_config.json"])["base_model_name_or_path"] == "someone/tiny-qwen3"
+
+
+def test_a_memory_saved_before_attend_previous_chunk_loads_with_it_off():
+    """The window is the default for new memories; one whose config predates the setting was trained without it."""
+    assert TitansMemoryConfig().attend_previous_chunk is True
+    saved = MEMORY_CONFIG.to_dict()
+    del saved["attend_previous_chunk"]
+    assert TitansMemoryConfig.from_dict(saved).attend_previous_chunk is False
+    assert TitansMemoryConfig.from_dict({**saved, "attend_previous_chunk": True}).attend_previous_chunk is True

@@ -73,8 +73,8 @@ class TitansMemoryConfig:
     until the config meets a base (`TitansQwenConfig` resolves them: the middle layer; hidden size // head dim).
     """
 
-    chunk_size: int = field(default=4096, metadata={"help": "Attention segment in tokens; attention never reaches "
-                                                            "across a chunk boundary, the memory does."})
+    chunk_size: int = field(default=4096, metadata={"help": "Attention segment in tokens; attention reaches at most "
+                                                            "one chunk back (attend_previous_chunk), the memory further."})
     memory_layers: list[int] | None = field(default=None, metadata={
         "help": "Decoder layers that get a memory (default: the middle layer, the one a frozen base learned to use "
                 "fastest)."})

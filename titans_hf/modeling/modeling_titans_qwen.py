@@ -1,8 +1,9 @@
 """A pretrained Qwen2/Qwen3 causal LM that reads long inputs chunk by chunk, with a Titans neural memory carrying
 information across chunks.
 
-Attention never reaches across a chunk boundary (positions restart at every chunk), so the backbone runs on the
-lengths it was trained on whatever the input length; the memory is the only path from one chunk to the next.
+Attention reaches at most one chunk back (`attend_previous_chunk`, the default; without it, not across a chunk
+boundary at all), and positions stay within two chunks, so the backbone runs on the lengths it was trained on
+whatever the input length; the memory is the only path further back.
 The backbone's modules are used as loaded, under their own state-dict keys (`model.*`, `lm_head.*`); the memory
 layers (`memory.<layer>.*`, one `titans_hf.modeling.variants` block each) and persistent tokens are the rest.
 
@@ -90,8 +91,8 @@ class TitansCausalLMOutput(CausalLMOutputWithPast):
 
 
 class TitansCache(DynamicCache):
-    """What decoding needs to continue a stream: the current chunk's keys/values (attention never looks further
-    back) and every memory layer's state. Its size does not grow with the prompt.
+    """What decoding needs to continue a stream: the current chunk's keys/values (and, with
+    attend_previous_chunk, the previous chunk's: attention never looks further back) and every memory layer's state. Its size does not grow with the prompt.
 
     `get_seq_length()` is the number of tokens seen (what `generate` means by it); the attention layers' own
     offsets come from `get_query_offset()`, the length of the current chunk's keys (prefix included).
