@@ -1,4 +1,4 @@
-"""Helpers every part of the package shares: one atomic write, one pad-id fallback."""
+"""Helpers every part of the package shares: one atomic write, one pad-id fallback, one check of output files."""
 
 from __future__ import annotations
 
@@ -52,3 +52,18 @@ def resolve_pad_token_id(tokenizer: Any = None, config: Any = None) -> int:
     name = getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
     raise ValueError(f"no pad token id: tokenizer {name!r} has neither a pad nor an EOS token, and the model config "
                      "names none either; set tokenizer.pad_token")
+
+
+def check_outputs(paths: list[Path], overwrite: bool) -> None:
+    """Refuse, before any work, output files that exist (unless `overwrite`), that are folders, or whose folder
+    cannot be made or written."""
+    for path in paths:
+        if path.is_dir():
+            raise IsADirectoryError(f"output {path} is a folder; give a file name inside it")
+        if path.exists() and not overwrite:
+            raise FileExistsError(f"output {path} exists; pass --overwrite to replace it")
+        existing = next(folder for folder in (path.parent, *path.parent.parents) if folder.exists())
+        if not existing.is_dir():
+            raise NotADirectoryError(f"output {path}: {existing} is a file, not a folder")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise PermissionError(f"output {path}: folder {existing} is not writable")

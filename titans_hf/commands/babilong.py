@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 from titans_hf.tasks.babilong import (
@@ -13,6 +12,7 @@ from titans_hf.tasks.babilong import (
     write_babilong_json,
     write_dataset_card,
 )
+from titans_hf.utils import check_outputs
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -35,21 +35,6 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     generate.add_argument("--overwrite", action="store_true",
                           help="replace an existing output file (and README.md with --card); without it they are kept")
     generate.set_defaults(func=generate_command)
-
-
-def check_outputs(paths: list[Path], overwrite: bool) -> None:
-    """Refuse, before any row is generated, outputs that exist (unless `overwrite`), that are folders, or whose
-    folder cannot be made or written."""
-    for path in paths:
-        if path.is_dir():
-            raise IsADirectoryError(f"output {path} is a folder; give a file name such as {path / 'qa1.json'}")
-        if path.exists() and not overwrite:
-            raise FileExistsError(f"output {path} exists; pass --overwrite to replace it")
-        existing = next(folder for folder in (path.parent, *path.parent.parents) if folder.exists())
-        if not existing.is_dir():
-            raise NotADirectoryError(f"output {path}: {existing} is a file, not a folder")
-        if not os.access(existing, os.W_OK | os.X_OK):
-            raise PermissionError(f"output {path}: folder {existing} is not writable")
 
 
 def generate_command(args: argparse.Namespace) -> int:

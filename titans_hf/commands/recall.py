@@ -26,8 +26,7 @@ from titans_hf.tasks.recall import (
 )
 from titans_hf.tasks.recall.files import check_store_output
 from titans_hf.tasks.recall.stand_in import pretrain_stand_in
-
-from .babilong import check_outputs
+from titans_hf.utils import check_outputs
 
 TRAIN_NAME, EVAL_NAME, EVAL_DEPENDENT_NAME = "train.jsonl", "eval.jsonl", "eval_dependent"
 
