@@ -48,7 +48,7 @@ def _load_tokenizer(tokenizer: Any):
     if isinstance(tokenizer, (str, os.PathLike)):
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer), trust_remote_code=False)
     if tokenizer.eos_token_id is None:
         raise ValueError("recall eval store: the tokenizer has no eos token; every document ends with one")
     return tokenizer
