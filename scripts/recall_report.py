@@ -45,6 +45,7 @@ def summarize(run: Path) -> dict:
         "chunk_starts_memory": every["memory"]["loss_chunk_starts"],
         "chunk_starts_no_memory": every["no_memory"]["loss_chunk_starts"],
         "boundary_tokens": every["boundary_tokens"],
+        "chunk_size": every["chunk_size"],
         "recalled_per_chunk": {mode: recalled[mode]["loss"] for mode in ("memory", "no_memory")},
         "all_tokens_per_chunk": {mode: every[mode]["loss"] for mode in ("memory", "no_memory")},
         "goal_met": ratio <= GOAL_RATIO and first_chunk_change <= GOAL_FIRST_CHUNK,
@@ -80,7 +81,7 @@ def plot(rows: list[dict], path: Path) -> None:
                 points = [(i, loss) for i, loss in enumerate(row[key][mode]) if loss is not None]
                 label = f"{row['attention']}: {'with memory' if mode == 'memory' else 'memory off (same weights)'}"
                 axis.plot([i for i, _ in points], [loss for _, loss in points], style, label=label)
-        axis.set_xlabel("chunk index (chunks of 32 tokens)")
+        axis.set_xlabel(f"chunk index (chunks of {rows[0]['chunk_size']} tokens)")
         axis.set_ylabel("loss per token")
         axis.set_title(title)
     axes[0].legend(fontsize=8)

@@ -36,7 +36,7 @@ from transformers import (
 )
 
 from titans_hf.evaluation import evaluate_babilong, load_model_for_eval
-from titans_hf.local_models import build_qwen, build_tokenizer, pretrain_causal_lm
+from titans_hf.local_models import build_qwen, build_tokenizer, mean_embedding_cosine, pretrain_causal_lm
 from titans_hf.tasks.babilong import (
     ACTORS,
     LOCATIONS,
@@ -198,15 +198,8 @@ def embedding_similarity(model, tokenizer) -> dict[str, float]:
     Near 1, the model holds one vector for all of them: a memory reading these embeddings cannot tell whose fact
     it stores. A base that learned text in which each name has contexts of its own keeps them apart.
     """
-    embeddings = model.get_input_embeddings().weight.detach()
-
-    def mean_cosine(words: list[str]) -> float:
-        ids = [tokenizer(" " + word, add_special_tokens=False)["input_ids"][0] for word in words]
-        vectors = torch.nn.functional.normalize(embeddings[ids].float(), dim=-1)
-        cosines = vectors @ vectors.T
-        return float((cosines.sum() - cosines.diagonal().sum()) / (len(ids) * (len(ids) - 1)))
-
-    return {"actors": round(mean_cosine(ACTORS), 4), "locations": round(mean_cosine(LOCATIONS), 4)}
+    return {"actors": round(mean_embedding_cosine(model, tokenizer, ACTORS), 4),
+            "locations": round(mean_embedding_cosine(model, tokenizer, LOCATIONS), 4)}
 
 
 def base_accuracy(base: str | Path, tokenizer, task: str, chunk_size: int, num_rows: int = 200,

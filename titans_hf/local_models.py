@@ -123,3 +123,12 @@ def pretrain_causal_lm(
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def mean_embedding_cosine(model, tokenizer, words: list[str]) -> float:
+    """Mean cosine similarity between the input embeddings of `words` (the first token of " word" each). Near 1,
+    the model holds one vector for all of them, and a memory reading them cannot tell them apart."""
+    ids = [tokenizer(" " + word, add_special_tokens=False)["input_ids"][0] for word in words]
+    vectors = torch.nn.functional.normalize(model.get_input_embeddings().weight.detach()[ids].float(), dim=-1)
+    cosines = vectors @ vectors.T
+    return float((cosines.sum() - cosines.diagonal().sum()) / (len(ids) * (len(ids) - 1)))

@@ -18,9 +18,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-import torch.nn.functional as F
-
-from titans_hf.local_models import build_qwen, build_tokenizer, pretrain_causal_lm
+from titans_hf.local_models import build_qwen, build_tokenizer, mean_embedding_cosine, pretrain_causal_lm
 
 from .generate import generate_recall, glossary_document, people_pool, value_pool
 
@@ -69,14 +67,6 @@ def build_recall_tokenizer(out_dir: str | Path, corpus: dict[str, Any], vocab_si
     return build_tokenizer(sample, out_dir, vocab_size=vocab_size)
 
 
-def value_embedding_cosine(model, tokenizer, values: list[str]) -> float:
-    """Mean cosine similarity between the values' input embeddings: near 1 the base cannot tell them apart."""
-    ids = [tokenizer(" " + value, add_special_tokens=False)["input_ids"][0] for value in values]
-    vectors = F.normalize(model.get_input_embeddings().weight.detach()[ids].float(), dim=-1)
-    cosines = vectors @ vectors.T
-    return float((cosines.sum() - cosines.diagonal().sum()) / (len(ids) * (len(ids) - 1)))
-
-
 def pretrain_stand_in(
     out_dir: str | Path,
     corpus: dict[str, Any],
@@ -100,4 +90,4 @@ def pretrain_stand_in(
                                 learning_rate=learning_rate, seed=seed, show_progress=show_progress)
     pool = list(corpus.get("pool") or value_pool())
     return {"steps": steps, "documents": len(documents), "final_loss": losses[-1], "shape": STAND_IN_SHAPE,
-            "vocab_size": len(tokenizer), "value_embedding_cosine": value_embedding_cosine(model, tokenizer, pool)}
+            "vocab_size": len(tokenizer), "value_embedding_cosine": mean_embedding_cosine(model, tokenizer, pool)}
