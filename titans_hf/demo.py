@@ -19,7 +19,6 @@ Why the recipe looks the way it does is measured in ``docs/frozen_base.md``.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import random
@@ -57,7 +56,7 @@ from titans_hf.training.recipe import (
     ModelArguments,
     train_memory,
 )
-from titans_hf.utils import atomic_write, atomic_write_json
+from titans_hf.utils import atomic_write, atomic_write_json, file_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -231,14 +230,6 @@ def row_chunks(rows: list[dict[str, str]], tokenizer, chunk_size: int) -> list[i
     """Chunks each row fills as a training example (prompt and answer)."""
     texts = [PROMPT_TEMPLATE.format(**row) + f" {row['target']}" for row in rows]
     return [math.ceil(len(ids) / chunk_size) for ids in tokenizer(texts)["input_ids"]]
-
-
-def file_sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def base_weights_unchanged(model, base_dir: str | Path) -> bool:

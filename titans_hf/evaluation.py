@@ -29,11 +29,12 @@ from titans_hf.tasks.babilong import (
     score_predictions,
     task_labels,
 )
-from titans_hf.utils import atomic_write, atomic_write_text, resolve_pad_token_id
+from titans_hf.utils import atomic_write, atomic_write_text, prepare_output_dir, resolve_pad_token_id
 
 RESULTS_NAME = "results.json"
 HEATMAP_NAME = "heatmap.png"
 PREDICTIONS_NAME = "predictions.jsonl"
+OUTPUT_NAMES = (RESULTS_NAME, HEATMAP_NAME, PREDICTIONS_NAME)
 # No truncation at evaluation: the whole story is the test. build_example wants a budget; this one never binds.
 _UNBOUNDED_LENGTH = 1 << 62
 
@@ -163,25 +164,6 @@ def _generate_answers(model, tokenizer, prompts, batches, generation_config, pro
 # Outputs
 
 
-def prepare_output_dir(path: PathLike) -> Path:
-    """The output folder, created if needed and checked writable, before any long work: an existing file there,
-    or a folder that cannot be written, is an error naming it now rather than after every answer was generated."""
-    folder = Path(path)
-    if folder.exists() and not folder.is_dir():
-        raise NotADirectoryError(f"output {folder} is an existing file, not a folder for {RESULTS_NAME}, "
-                                 f"{HEATMAP_NAME} and {PREDICTIONS_NAME}")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise OSError(f"output folder {folder} cannot be created: {error}") from error
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise PermissionError(f"output folder {folder} is not writable")
-    for name in (RESULTS_NAME, HEATMAP_NAME, PREDICTIONS_NAME):
-        if (folder / name).is_dir():
-            raise IsADirectoryError(f"output {folder / name} is a folder; it would be written as a file")
-    return folder
-
-
 def plot_heatmap(results: Mapping[str, Any], path: str | os.PathLike) -> Path:
     """BABILong's figure: tasks down, lengths across, accuracy (%) in each cell; one panel with the memory, one
     without, on the same colour scale so the two read side by side."""
@@ -267,7 +249,7 @@ def evaluate_babilong(
     if not data:
         raise ValueError("evaluate_babilong: data is empty; give rows or files per (task, length)")
     padding_multiple = _padding_multiple(model, mixed_length_batches)
-    folder = None if output_dir is None else prepare_output_dir(output_dir)
+    folder = None if output_dir is None else prepare_output_dir(output_dir, OUTPUT_NAMES)
     cells = [(task, length, _resolve_rows(task, length, source)) for (task, length), source in data.items()]
     generation_config = _generation_config(model, tokenizer, max_new_tokens)
     modes = ["memory", "no_memory"] if ablation else ["memory"]
@@ -406,7 +388,6 @@ __all__ = [
     "evaluate_babilong",
     "load_model_for_eval",
     "babilong_files_by_task_length",
-    "prepare_output_dir",
     "plot_heatmap",
     "format_results_table",
 ]

@@ -19,10 +19,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from titans_hf.utils import atomic_write, atomic_write_json
+from titans_hf.utils import atomic_write, atomic_write_json, prepare_output_dir
 
 LM_RESULTS_NAME = "lm_results.json"
 LM_PLOT_NAME = "loss_per_chunk.png"
+LM_OUTPUT_NAMES = (LM_RESULTS_NAME, LM_PLOT_NAME)
 
 
 def _per_chunk(model, windows: Sequence[dict[str, Any]], batch_size: int, boundary_tokens: int,
@@ -139,8 +140,7 @@ def evaluate_lm(
             "chunk_starts": ratio(on["loss_chunk_starts"], off["loss_chunk_starts"]),
         }
     if output_dir is not None:
-        folder = Path(output_dir)
-        folder.mkdir(parents=True, exist_ok=True)
+        folder = prepare_output_dir(output_dir, LM_OUTPUT_NAMES)
         plot_loss_per_chunk(results, folder / LM_PLOT_NAME)
         atomic_write_json(folder / LM_RESULTS_NAME, results)  # last: its presence means the evaluation finished
     return results

@@ -1,7 +1,9 @@
-"""Helpers every part of the package shares: one atomic write, one pad-id fallback, one check of output files."""
+"""Helpers every part of the package shares: one atomic write, one pad-id fallback, one check of output files,
+one file hash."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -67,3 +69,32 @@ def check_outputs(paths: list[Path], overwrite: bool) -> None:
             raise NotADirectoryError(f"output {path}: {existing} is a file, not a folder")
         if not os.access(existing, os.W_OK | os.X_OK):
             raise PermissionError(f"output {path}: folder {existing} is not writable")
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """SHA-256 of a file's bytes, read in blocks of 1 MiB."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def prepare_output_dir(path: str | os.PathLike, names: tuple[str, ...]) -> Path:
+    """The output folder for the files `names`, created if needed and checked writable before any long work: an
+    existing file there, a folder that cannot be written, or a folder in place of one of `names` is an error
+    naming it now rather than after the work."""
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise NotADirectoryError(f"output {folder} is an existing file, not a folder for {', '.join(names)}")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise OSError(f"output folder {folder} cannot be created: {error}") from error
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise PermissionError(f"output folder {folder} is not writable")
+    for name in names:
+        if (folder / name).is_dir():
+            raise IsADirectoryError(f"output {folder / name} is a folder; it would be written as a file")
+    return folder
+

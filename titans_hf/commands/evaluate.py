@@ -11,18 +11,19 @@ import torch
 
 from titans_hf.evaluation import (
     HEATMAP_NAME,
+    OUTPUT_NAMES,
     PREDICTIONS_NAME,
     RESULTS_NAME,
     babilong_files_by_task_length,
     evaluate_babilong,
     format_results_table,
     load_model_for_eval,
-    prepare_output_dir,
 )
 from titans_hf.data.tokens_builder import store_data_files
-from titans_hf.lm_evaluation import LM_PLOT_NAME, LM_RESULTS_NAME, evaluate_lm, format_lm_table
+from titans_hf.lm_evaluation import LM_OUTPUT_NAMES, LM_PLOT_NAME, LM_RESULTS_NAME, evaluate_lm, format_lm_table
 from titans_hf.tasks.babilong import GENERATED_TASKS, generate_babilong, length_tokens
 from titans_hf.tasks.babilong.generate import read_haystack_sentences
+from titans_hf.utils import prepare_output_dir
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -98,7 +99,7 @@ def eval_command(args: argparse.Namespace) -> int:
             read_haystack_sentences(args.haystack)  # missing or unreadable text fails before the model loads
     else:
         data = babilong_files_by_task_length(args.data, args.tasks, args.lengths)
-    prepare_output_dir(args.output)
+    prepare_output_dir(args.output, OUTPUT_NAMES)
     model, tokenizer = load_model_for_eval(args.model, args.memory, args.tokenizer, args.dtype, args.device)
     if args.generate:
         data = {
@@ -121,7 +122,7 @@ def lm_eval_command(args: argparse.Namespace) -> int:
         raise ValueError("titans-hf eval --lm needs --data naming token stores")
     if args.window_size is None:
         raise ValueError("titans-hf eval --lm needs --window-size (tokens per window)")
-    prepare_output_dir(args.output)
+    prepare_output_dir(args.output, LM_OUTPUT_NAMES)
     model, _ = load_model_for_eval(args.model, args.memory, args.tokenizer, args.dtype, args.device)
     windows = datasets.load_dataset(
         "titans_tokens", data_files=store_data_files(args.data), train_type=args.train_type, window_size=args.window_size,

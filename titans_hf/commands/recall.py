@@ -105,7 +105,7 @@ def generate_command(args: argparse.Namespace) -> int:
                        output / TRAIN_NAME)
     held_out = list(iter_recall_documents(args.num_eval, seed=args.seed + 1, tokenizer=tokenizer, **settings))
     write_recall_jsonl(held_out, output / EVAL_NAME)
-    build_recall_eval_store(held_out, output / EVAL_DEPENDENT_NAME, args.tokenizer, overwrite=args.overwrite)
+    build_recall_eval_store(held_out, output / EVAL_DEPENDENT_NAME, tokenizer, overwrite=args.overwrite)
     references = sum(len(document.references) for document in held_out)
     print(f"wrote {output / TRAIN_NAME} ({args.num_train} documents), {output / EVAL_NAME} ({args.num_eval}, "
           f"{references} recalled values) and {output / EVAL_DEPENDENT_NAME}")

@@ -70,13 +70,14 @@ def register_builders() -> None:
 
 def _packaged_module_without_data_files(resolve_module):
     def get_module(factory: datasets_load.PackagedDatasetModuleFactory) -> datasets_load.DatasetModule:
-        if factory.name in NAMED_FILES_BUILDERS and factory.data_files is None and factory.data_dir is None:
+        no_files = factory.data_files is None and factory.data_dir is None
+        if no_files and factory.name in NAMED_FILES_BUILDERS:
             raise ValueError(
                 f"{factory.name} needs data_files naming its token stores (e.g. data_files='corpus.h5' or "
                 f"'corpus_bin/*'); none were given, and datasets would load whatever lies in the working directory "
                 f"{Path().resolve()}. Pass data_files, or data_dir to load the stores of a folder on purpose"
             )
-        if factory.name in GENERATING_BUILDERS and factory.data_files is None and factory.data_dir is None:
+        if no_files and factory.name in GENERATING_BUILDERS:
             module_path, code_hash = _PACKAGED_DATASETS_MODULES[factory.name]
             return datasets_load.DatasetModule(
                 module_path, code_hash, {"data_files": datasets_load.DataFilesDict(), "dataset_name": factory.name}

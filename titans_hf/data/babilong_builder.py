@@ -49,7 +49,7 @@ from titans_hf.tasks.babilong import (
     train_eval_split,
 )
 from titans_hf.tasks.babilong.generate import read_haystack_sentences
-from titans_hf.utils import resolve_pad_token_id
+from titans_hf.utils import file_sha256, resolve_pad_token_id
 
 logger = logging.getLogger(__name__)
 
@@ -168,14 +168,9 @@ def tokenizer_fingerprint(name_or_path: str) -> str:
 
 def file_digest(path: str | os.PathLike, what: str) -> str:
     """SHA-256 of a file's bytes; a missing file is a FileNotFoundError naming it (as ``what``)."""
-    path = Path(path)
-    if not path.is_file():
+    if not Path(path).is_file():
         raise FileNotFoundError(f"{what} {path} does not exist")
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return file_sha256(path)
 
 
 class TitansBabilong(datasets.ArrowBasedBuilder):
@@ -262,10 +257,11 @@ class TitansBabilong(datasets.ArrowBasedBuilder):
                 haystack_files=config.haystack_files, row_indices=indices, batch_size=ROWS_PER_CHUNK,
             )
             where = f"generated {config.task} (length {config.length}, seed {config.seed})"
+            remaining = iter(indices)  # batches come in order: each takes the next len(batch) indices
             chunks = (
                 [{**row, "task": config.task, "length": config.length, "source": f"{where} row {index}"}
-                 for row, index in zip(batch, indices[start : start + len(batch)])]
-                for start, batch in _with_offsets(batches)
+                 for row, index in zip(batch, remaining)]
+                for batch in batches
             )
         for chunk_index, rows in enumerate(chunks):
             examples = [self._example(row, tokenizer) for row in rows]
@@ -285,14 +281,6 @@ class TitansBabilong(datasets.ArrowBasedBuilder):
                                  config.pad_to_max_length, truncate_answers=config.truncate_answers)
         except ValueError as error:
             raise ValueError(f"{row['source']}: {error}") from error
-
-
-def _with_offsets(batches: Iterator[list]) -> Iterator[tuple[int, list]]:
-    """(position of the batch's first row among all rows, batch) for consecutive batches."""
-    start = 0
-    for batch in batches:
-        yield start, batch
-        start += len(batch)
 
 
 def build_babilong(cache_dir: str | None = None, num_proc: int | None = None, **config) -> datasets.DatasetDict:

@@ -514,9 +514,10 @@ def _checked_outputs(output: Path, inputs: Any, overwrite: bool) -> list[Path]:
     shard = re.compile(re.escape(stem) + r"-\d{5}-of-\d{5}" + re.escape(suffix))
     siblings = sorted(path for path in output.parent.iterdir() if shard.fullmatch(path.name)) if output.parent.is_dir() else []
     existing = [path for path in [output, *siblings] if path.exists() or path.is_symlink()]
-    for path in [output, *existing]:
+    protected = _protected_paths(inputs)
+    for path in dict.fromkeys([output, *existing]):
         resolved = path.resolve()
-        for source in _protected_paths(inputs):
+        for source in protected:
             if source == resolved or source.is_relative_to(resolved):
                 what = "an input" if source == resolved else f"a folder holding the input {source}"
                 raise ValueError(f"{path}: the output is {what} of this call; choose another output")
@@ -608,7 +609,7 @@ def prepare(
     }
     writer_class = STORE_WRITERS[output_format(output)]
     # File sizes in bytes bound the characters from above: the bar may stop a little short of 100%.
-    total_chars = sum(path.stat().st_size for path in paths if path.is_file()) if paths is not None else None
+    total_chars = sum(path.stat().st_size for path in paths) if paths is not None else None
     progress = tqdm(total=total_chars, unit="char", unit_scale=True, desc=f"prepare {output.name}")
     units = _units(inputs, train_type, text_field, _cuts_are_exact(tok), str(tokenizer), bool(tok.chat_template))
     batches = _batches(units, train_type, batch_size)

@@ -79,16 +79,17 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """An integer (Python or NumPy), not a bool."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def _is_number(value: Any) -> bool:
-    return _is_int(value) or isinstance(value, (float, np.floating))
+    return is_int(value) or isinstance(value, (float, np.floating))
 
 
 def _is_format_version(value: Any) -> bool:
-    return _is_int(value) and int(value) == FORMAT_VERSION
+    return is_int(value) and int(value) == FORMAT_VERSION
 
 
 def _checked_key_name(key: Any, where: Any) -> str:
@@ -174,17 +175,17 @@ def _checked_metadata(metadata: dict[str, Any], where: Any) -> dict[str, Any]:
         if checked[field] is not None and not isinstance(checked[field], str):
             raise ValueError(f"{where}: field {field!r} must be a string, got {checked[field]!r}")
     vocab_size = checked["vocab_size"]
-    if vocab_size is not None and (not _is_int(vocab_size) or vocab_size <= 0):
+    if vocab_size is not None and (not is_int(vocab_size) or vocab_size <= 0):
         raise ValueError(f"{where}: vocab_size must be a positive integer, got {vocab_size!r}")
     for field in ("eos_token_id", "pad_token_id"):
         value = checked[field]
         if value is None:
             continue
-        if not _is_int(value) or not 0 <= value <= MAX_TOKEN_ID:
+        if not is_int(value) or not 0 <= value <= MAX_TOKEN_ID:
             raise ValueError(f"{where}: {field} must be a token id (an integer in [0, {MAX_TOKEN_ID}]), got {value!r}")
         if vocab_size is not None and value >= vocab_size:
             raise ValueError(f"{where}: {field} {value} is not below vocab_size {vocab_size}")
-    return {field: int(value) if _is_int(value) else value for field, value in checked.items()}
+    return {field: int(value) if is_int(value) else value for field, value in checked.items()}
 
 
 def _checked_offsets(offsets: Any, length: int, key: str, where: Path) -> np.ndarray:
@@ -281,7 +282,7 @@ class TokenStore:
         if (low is None) != (high is None):
             raise ValueError(f"{where}: key {key!r} records only one of 'min' and 'max'")
         if low is not None:
-            number = _is_number if key_kind(key) == "float" else _is_int
+            number = _is_number if key_kind(key) == "float" else is_int
             if not (number(low) and number(high)) or low > high:
                 raise ValueError(f"{where}: key {key!r} records the range [{low!r}, {high!r}], which is not a range of its values")
             if not rule.allows(low, high):
@@ -438,7 +439,7 @@ class MmapStore(TokenStore):
             if missing:
                 raise ValueError(f"{meta_path}: key {key!r} is missing field(s) {missing}")
             length = entry["length"]
-            if not _is_int(length) or length < 0:
+            if not is_int(length) or length < 0:
                 raise ValueError(f"{meta_path}: key {key!r} has length {length!r}; it must be a non-negative integer")
             dtype = _checked_dtype(entry["dtype"], key, meta_path)
             offsets = _checked_offsets(entry["offsets"], length, key, meta_path)
@@ -728,16 +729,18 @@ class StoreWriter:
     def append(self, key: str, values: np.ndarray) -> None:
         dtype = self.dtypes[key]
         values = np.asarray(values)
+        bounds = None  # integer keys: the range, measured once (the cast below is then exact)
         if values.size and dtype.kind in "iu":
             if values.dtype.kind not in "iub":
                 raise ValueError(f"{self.final_path}: key {key!r} holds integers, got values of dtype {values.dtype}")
             info = np.iinfo(dtype)
-            low, high = values.min(), values.max()
-            if low < info.min or high > info.max:
-                raise ValueError(f"{self.final_path}: key {key!r} value range [{low}, {high}] does not fit {dtype}")
+            bounds = int(values.min()), int(values.max())
+            if bounds[0] < info.min or bounds[1] > info.max:
+                raise ValueError(f"{self.final_path}: key {key!r} value range [{bounds[0]}, {bounds[1]}] does not "
+                                 f"fit {dtype}")
         values = values.astype(dtype, copy=False)
         if values.size:
-            low, high = values.min().item(), values.max().item()
+            low, high = bounds if bounds is not None else (values.min().item(), values.max().item())
             rule = self._rules[key]
             if not rule.allows(low, high):
                 raise ValueError(f"{self.final_path}: key {key!r} value {values[rule.first_violation(values)]} is {rule.why}")

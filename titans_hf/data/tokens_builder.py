@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import datasets
-import datasets.load
 import numpy as np
 import pyarrow as pa
 from datasets.builder import Key

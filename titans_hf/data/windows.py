@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from titans_hf.data.stores import MAX_TOKEN_ID, TokenStore, key_kind
+from titans_hf.data.stores import MAX_TOKEN_ID, TokenStore, is_int, key_kind
 
 TRAIN_TYPE_KEYS: dict[str, tuple[str, ...]] = {
     "seq": ("sequence",),
@@ -157,7 +157,7 @@ class TokenExamples:
                 raise ValueError(f"{store.path}: pad_tail=True needs pad_token_id (the store records no pad or eos id)")
             # Below the model's vocabulary when given, else below the store's own.
             limit = min(vocab_size or store.metadata.get("vocab_size") or MAX_TOKEN_ID + 1, MAX_TOKEN_ID + 1)
-            if isinstance(pad, bool) or not isinstance(pad, (int, np.integer)) or not 0 <= pad < limit:
+            if not is_int(pad) or not 0 <= pad < limit:
                 raise ValueError(f"{store.path}: pad_token_id must be a token id in [0, {limit - 1}], got {pad!r}")
             self.pad_token_id = int(pad)
 
