@@ -134,7 +134,7 @@ def _memory_model(base_dir, seed: int = 0, **settings) -> TitansQwenForCausalLM:
 )
 def test_memory_disabled_gives_exactly_the_base_models_logits(tiny_qwen3_dir, settings):
     base = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir).eval()
-    model = _memory_model(tiny_qwen3_dir, **settings)
+    model = _memory_model(tiny_qwen3_dir, **settings, attend_previous_chunk=False)
     chunk = MEMORY_SETTINGS["chunk_size"]
     input_ids = torch.randint(0, base.config.vocab_size, (2, 2 * chunk), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

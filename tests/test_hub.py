@@ -642,6 +642,7 @@ def test_trainer_push_to_hub_pushes_the_memory_only(hub, hub_token, tiny_qwen3_d
 def test_a_memory_saved_before_attend_previous_chunk_loads_with_it_off():
     """The window is the default for new memories; one whose config predates the setting was trained without it."""
     assert TitansMemoryConfig().attend_previous_chunk is True
+    assert TitansMemoryConfig.from_dict({"chunk_size": 32}).attend_previous_chunk is True  # settings, not a file
     saved = MEMORY_CONFIG.to_dict()
     del saved["attend_previous_chunk"]
     assert TitansMemoryConfig.from_dict(saved).attend_previous_chunk is False

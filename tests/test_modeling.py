@@ -45,7 +45,8 @@ def random_ids(vocab: int, shape: tuple[int, int], seed: int = 0) -> torch.Tenso
 
 def test_untrained_mag_reproduces_base_logits_exactly(base_dir):
     base = AutoModelForCausalLM.from_pretrained(base_dir).eval()
-    model = TitansQwenForCausalLM.from_base(base_dir, **SMALL_MEMORY, memory_layers=[0, 1]).eval()
+    model = TitansQwenForCausalLM.from_base(base_dir, **SMALL_MEMORY, memory_layers=[0, 1],
+                                            attend_previous_chunk=False).eval()  # the base chunk by chunk
     ids = random_ids(base.config.vocab_size, (2, 20))
     with torch.no_grad():
         ours = model(ids).logits
@@ -82,7 +83,7 @@ def reference_mag_logits(model: TitansQwenForCausalLM, ids: torch.Tensor) -> tor
 
 
 def test_chunked_forward_equals_reference_loop(base_dir):
-    model = build(base_dir, memory_layers=[0, 1])
+    model = build(base_dir, memory_layers=[0, 1], attend_previous_chunk=False)  # the reference loop is chunk-local
     base = AutoModelForCausalLM.from_pretrained(base_dir).eval()
     ids = random_ids(model.config.text_config.vocab_size, (2, 27))
     with torch.no_grad():
@@ -99,8 +100,9 @@ def test_chunked_forward_equals_reference_loop(base_dir):
 
 @pytest.mark.parametrize("variant", ["mag", "mal", "mac"])
 def test_pieces_through_the_cache_equal_one_pass(tiny_qwen3_dir, variant):
-    """Any split of the input (inside chunks, across boundaries) gives the one-pass logits."""
-    model = build(tiny_qwen3_dir, **VARIANT_SETTINGS[variant])
+    """Any split of the input (inside chunks, across boundaries) gives the one-pass logits; the chunk-local cache
+    holds the current chunk's keys only (the window's two chunks: test_previous_chunk_* below)."""
+    model = build(tiny_qwen3_dir, **VARIANT_SETTINGS[variant], attend_previous_chunk=False)
     ids = random_ids(model.config.text_config.vocab_size, (2, 30), seed=1)
     with torch.no_grad():
         whole = model(ids).logits
@@ -318,7 +320,8 @@ def test_full_save_pretrained_round_trips_through_auto_classes(tmp_path, tiny_qw
 
 def test_bf16_forward(tiny_qwen3_dir):
     base = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.bfloat16).eval()
-    model = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, dtype=torch.bfloat16, **SMALL_MEMORY).eval()
+    model = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, dtype=torch.bfloat16, **SMALL_MEMORY,
+                                            attend_previous_chunk=False).eval()  # the base chunk by chunk
     ids = random_ids(base.config.vocab_size, (2, 16), seed=9)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, torch.cat([base(ids[:, :8]).logits, base(ids[:, 8:]).logits], 1))

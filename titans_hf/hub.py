@@ -177,8 +177,9 @@ class TitansMemoryConfig:
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"{source}: unknown memory setting(s) {unknown}; known: {sorted(known)}")
-        # memories saved before the option existed (titans_hf < 0.3) were trained with chunk-local attention
-        values = {"attend_previous_chunk": False, **values}
+        if "titans_hf_version" in values and "attend_previous_chunk" not in values:
+            # a saved config (they carry the version) from before the option existed: chunk-local attention
+            values = {**values, "attend_previous_chunk": False}
         try:
             return cls(**values)
         except (TypeError, ValueError) as error:

@@ -66,6 +66,16 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def as_previous_chunk_mask(mask: Tensor | None, num_prefix: int) -> Tensor | None:
+    """A finished chunk's attention mask (its `num_prefix` prefix tokens first) as the next chunk sees it: the
+    prefix only in rows with a real token in the chunk, so a chunk of left padding stays as invisible as it is to
+    the row alone."""
+    if mask is None or not num_prefix:
+        return mask
+    tokens = mask[:, num_prefix:]
+    return torch.cat([tokens.amax(dim=1, keepdim=True).expand(-1, num_prefix), tokens], dim=1)
+
+
 @dataclass
 class PreviousChunk:
     """The previous chunk as the next one's attention sees it (attend_previous_chunk): per layer its keys (RoPE at
@@ -104,6 +114,7 @@ class TitansCache(DynamicCache):
         self.memory_states: dict[int, MemoryState] | None = None
         self.chunk_attention_mask: Tensor | None = None  # [B, keys held], prefix included
         self.previous_length = 0  # keys of the previous chunk held before the current one's (attend_previous_chunk)
+        self.prefix_length = 0  # tokens in front of the current chunk (mac's memory and persistent tokens)
 
     is_croppable = False  # the memory cannot un-write tokens
 
@@ -126,7 +137,8 @@ class TitansCache(DynamicCache):
                 layer.keys = keep_previous(layer.keys[:, :, self.previous_length:])
                 layer.values = layer.values[:, :, self.previous_length:]
         if self.chunk_attention_mask is not None:
-            self.chunk_attention_mask = self.chunk_attention_mask[:, self.previous_length:]
+            self.chunk_attention_mask = as_previous_chunk_mask(self.chunk_attention_mask[:, self.previous_length:],
+                                                               self.prefix_length)
         self.previous_length = super().get_seq_length()
 
     def _select_rows(self, index: Tensor) -> None:
@@ -508,6 +520,8 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
             hidden = torch.cat([prefix.to(hidden.dtype), hidden], dim=1)
             if token_mask is not None:
                 mask = torch.cat([token_mask.new_ones(batch_size, num_prefix), token_mask], dim=1)
+        if starts_chunk and cache is not None:
+            cache.prefix_length = num_prefix
         attention_cache = cache
         if previous is not None:  # the previous chunk's keys in a cache made here, which the layers extend
             attention_cache = DynamicCache(config=self.config.text_config)
@@ -542,22 +556,22 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         logits = loss_sum = per_token = None
         if shifted_labels is not None:
             all_logits = self.lm_head(hidden)
-            loss_sum = F.cross_entropy(all_logits.float().flatten(0, 1), shifted_labels.flatten(), ignore_index=-100,
-                                       reduction="sum")
+            token_losses = F.cross_entropy(all_logits.float().flatten(0, 1), shifted_labels.flatten(),
+                                           ignore_index=-100, reduction="none" if predict else "sum")
+            if predict:  # one cross-entropy: the positions' losses, and their sum
+                loss_sum = token_losses.sum()
+                per_token = (all_logits.argmax(-1).detach(), token_losses.detach().view(shifted_labels.shape))
+            else:
+                loss_sum = token_losses
             if keep_from < length:
                 logits = all_logits[:, keep_from:]
-            if predict:
-                with torch.no_grad():
-                    token_losses = F.cross_entropy(all_logits.float().flatten(0, 1), shifted_labels.flatten(),
-                                                   ignore_index=-100, reduction="none")
-                per_token = (all_logits.argmax(-1), token_losses.view(shifted_labels.shape))
         elif keep_from < length:
             logits = self.lm_head(hidden[:, keep_from:])
         current = None
         if previous is not None:
             current = PreviousChunk(
                 [(layer.keys[:, :, past:], layer.values[:, :, past:]) for layer in attention_cache.layers],
-                None if attention_mask is None else attention_mask[:, past:],
+                None if attention_mask is None else as_previous_chunk_mask(attention_mask[:, past:], num_prefix),
             )
         return logits, loss_sum, per_token, new_states, current
 
