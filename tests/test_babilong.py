@@ -190,6 +190,23 @@ def test_rows_are_exactly_max_length_with_only_the_answer_labelled(tokenizer):
         assert example["target"] == row["target"]
 
 
+def test_a_tokenizer_left_truncating_by_an_earlier_call_still_builds_whole_rows(tiny_tokenizer_dir, tokenizer):
+    """A call with truncation=True leaves the backend truncating (as the demo's stand-in pretraining once did, which
+    crashed every row longer than its 159 tokens): generation and example building must not see that state."""
+    clean_rows = generate_babilong("qa1", 3, 600, tokenizer, seed=5)
+    clean = [build_example(row, tokenizer, max_length=700, answer_reserve_tokens=8) for row in clean_rows]
+    truncating = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    truncating(["a long enough text to cut"] * 2, truncation=True, max_length=20)
+    truncating.backend_tokenizer.enable_truncation(20)  # whatever the wrapper did, the backend now cuts
+    assert truncating.backend_tokenizer.truncation is not None
+    rows = generate_babilong("qa1", 3, 600, truncating, seed=5)
+    assert rows == clean_rows
+    examples = [build_example(row, truncating, max_length=700, answer_reserve_tokens=8) for row in rows]
+    assert examples == clean
+    assert all(example["prompt_length"] > 550 for example in examples)
+    assert truncating.backend_tokenizer.truncation["max_length"] == 20  # the caller's tokenizer is left as it was
+
+
 def test_truncation_cuts_the_start_of_the_haystack_and_keeps_the_question(tokenizer):
     row = generate_babilong("qa3", 1, 400, tokenizer, seed=9)[0]
     prompt = f"{row['input']}\n\nQuestion: {row['question']}\nAnswer:"

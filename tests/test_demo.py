@@ -248,3 +248,39 @@ def test_demo_runs_qa3_whose_stories_never_fit_one_chunk(tmp_path):
     assert not accuracy["fits_one_chunk"] and accuracy["max_prompt_tokens"] > 32
     assert demo["run_info"]["curriculum_chunks"][0] >= 2
     assert list(demo["results"]["accuracy"]) == ["qa3"] and demo["run_info"]["base_unchanged"] is True
+
+
+def test_the_stand_ins_tokenizer_is_saved_plain_and_its_base_reads_4096_token_rows(demo, tmp_path):
+    """The stand-in pretrains on rows cut to 160 tokens: its saved tokenizer must not keep that cut, and eval, the
+    builder and train on the main job's own base work at 4096 tokens, also from a folder whose tokenizer.json still
+    carries a truncation (as stand-ins saved by earlier releases do)."""
+    from datasets import load_dataset
+
+    base = demo["paths"]["base"]
+    saved = json.loads((base / "tokenizer.json").read_text())
+    assert saved["truncation"] is None and saved["padding"] is None
+    old_base = tmp_path / "old_base"
+    old_base.mkdir()
+    for file in base.iterdir():
+        (old_base / file.name).write_bytes(file.read_bytes())
+    (old_base / "tokenizer.json").write_text(json.dumps(dict(saved, truncation={
+        "direction": "Right", "max_length": 159, "strategy": "LongestFirst", "stride": 0})))
+    assert AutoTokenizer.from_pretrained(old_base).backend_tokenizer.truncation["max_length"] == 159
+
+    for folder in (base, old_base):
+        rows = load_dataset("titans_babilong", task="qa1", length=4000, num_samples=3, seed=4, tokenizer=str(folder),
+                            max_length=4096, answer_reserve_tokens=8, train_ratio=None, split="train")
+        assert all(3900 < length <= 4088 for length in rows["prompt_length"])
+        assert all(len(ids) == 4096 for ids in rows["input_ids"])
+    memory = demo["paths"]["memory"]
+    output = tmp_path / "eval"
+    assert cli_main(["eval", "--model", str(memory), "--tokenizer", str(old_base), "--generate", "--tasks", "qa1",
+                     "--lengths", "4096", "--num-samples", "2", "--batch-size", "2", "--max-new-tokens", "2",
+                     "--no-ablation", "--output", str(output)]) == 0
+    details = json.loads((output / "results.json").read_text())["details"]["qa1"]["4096"]
+    assert details["num_samples"] == 2 and details["prompt_tokens"]["min"] > 3900
+    assert cli_main(["train", "--model_name_or_path", str(old_base), "--chunk_size", "32", "--memory_chunk_size", "8",
+                     "--memory_head_dim", "16", "--generate_lengths", "4000", "--num_samples", "4",
+                     "--max_length", "4096", "--answer_reserve_tokens", "8", "--max_steps", "1",
+                     "--per_device_train_batch_size", "2", "--output_dir", str(tmp_path / "train"),
+                     "--report_to", "none", "--disable_tqdm", "true", "--save_strategy", "no"]) == 0

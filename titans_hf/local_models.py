@@ -97,9 +97,10 @@ def pretrain_causal_lm(
     import datasets
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
-    truncation = dict(truncation=True, max_length=max_tokens - 1) if max_tokens else {}
-    encoded = tokenizer(documents, **truncation)["input_ids"]
-    rows = datasets.Dataset.from_dict({"input_ids": [ids + [tokenizer.eos_token_id] for ids in encoded]})
+    # cut by hand: the tokenizer's own truncation would stay set in its backend and be saved in tokenizer.json
+    keep = max_tokens - 1 if max_tokens else None
+    encoded = tokenizer(documents)["input_ids"]
+    rows = datasets.Dataset.from_dict({"input_ids": [ids[:keep] + [tokenizer.eos_token_id] for ids in encoded]})
     with tempfile.TemporaryDirectory(prefix="titans_pretrain_") as scratch:
         args = TrainingArguments(
             output_dir=scratch,

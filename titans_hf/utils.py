@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import tempfile
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -98,3 +99,29 @@ def prepare_output_dir(path: str | os.PathLike, names: tuple[str, ...]) -> Path:
             raise IsADirectoryError(f"output {folder / name} is a folder; it would be written as a file")
     return folder
 
+
+
+def plain_backend_tokenizer(tokenizer: Any):
+    """The fast tokenizer's Rust backend without truncation or padding, whatever state earlier calls left in it.
+
+    A call like ``tokenizer(texts, truncation=True, max_length=n)`` leaves the backend truncating (and
+    ``save_pretrained`` records it in tokenizer.json); code that encodes through the backend directly would then see
+    cut encodings. A backend in that state is copied once per state and the copy's truncation and padding are
+    switched off; the caller's tokenizer is never changed.
+    """
+    backend = tokenizer.backend_tokenizer
+    if backend.truncation is None and backend.padding is None:
+        return backend
+    key = (id(backend), json.dumps([backend.truncation, backend.padding], sort_keys=True, default=str))
+    plain = _PLAIN_BACKENDS.get(tokenizer)
+    if plain is None or plain[0] != key:
+        from tokenizers import Tokenizer
+
+        copy = Tokenizer.from_str(backend.to_str())
+        copy.no_truncation()
+        copy.no_padding()
+        plain = _PLAIN_BACKENDS[tokenizer] = (key, copy)
+    return plain[1]
+
+
+_PLAIN_BACKENDS: "weakref.WeakKeyDictionary[Any, tuple[tuple[int, str], Any]]" = weakref.WeakKeyDictionary()

@@ -49,7 +49,7 @@ from titans_hf.tasks.babilong import (
     train_eval_split,
 )
 from titans_hf.tasks.babilong.generate import read_haystack_sentences
-from titans_hf.utils import file_sha256, resolve_pad_token_id
+from titans_hf.utils import file_sha256, plain_backend_tokenizer, resolve_pad_token_id
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ def tokenizer_fingerprint(name_or_path: str) -> str:
         pad_id: int | None = resolve_pad_token_id(tokenizer)
     except ValueError:  # only an error once a row is padded
         pad_id = None
-    digest = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode("utf-8"))
+    digest = hashlib.sha256(plain_backend_tokenizer(tokenizer).to_str().encode("utf-8"))
     digest.update(f"pad={pad_id}".encode())
     return digest.hexdigest()
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from titans_hf.utils import resolve_pad_token_id
+from titans_hf.utils import plain_backend_tokenizer, resolve_pad_token_id
 
 PROMPT_TEMPLATE = "{input}\n\nQuestion: {question}\nAnswer:"
 
@@ -38,7 +38,7 @@ def build_example(
             f"answer_reserve_tokens={answer_reserve_tokens} must be >= 1 and below max_length={max_length}"
         )
     prompt = PROMPT_TEMPLATE.format(input=row["input"], question=row["question"])
-    backend = tokenizer.backend_tokenizer
+    backend = plain_backend_tokenizer(tokenizer)  # whatever truncation earlier calls left set
     encoding = backend.encode(prompt, add_special_tokens=True)
     ids, special = encoding.ids, encoding.special_tokens_mask
     num_prefix = next((i for i, is_special in enumerate(special) if not is_special), len(ids))

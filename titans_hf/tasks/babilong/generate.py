@@ -15,6 +15,8 @@ from typing import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
+from titans_hf.utils import plain_backend_tokenizer
+
 from .files import read_utf8_text
 
 ACTORS = ["John", "Mary", "Sandra", "Daniel"]
@@ -242,9 +244,10 @@ def _token_counts(tokenizer, texts: list[str], leading_space: bool = True) -> li
     """
     prefix = " " if leading_space else ""
     counts: list[int] = []
+    backend = plain_backend_tokenizer(tokenizer)
     for start in range(0, len(texts), 4096):
         batch = [prefix + text for text in texts[start : start + 4096]]
-        counts.extend(len(e.ids) for e in tokenizer.backend_tokenizer.encode_batch_fast(batch, add_special_tokens=False))
+        counts.extend(len(e.ids) for e in backend.encode_batch_fast(batch, add_special_tokens=False))
     return counts
 
 
