@@ -11,9 +11,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from titans_hf.commands import main as cli_main
-from titans_hf.tasks.babilong import TASK_LABELS, generate_babilong, write_babilong_json
+from titans_hf.tasks.babilong import TASK_LABELS, generate_babilong, supporting_fact_spans, write_babilong_json
 from titans_hf.evaluation import (
     _prompt_ids,
+    distance_bucket,
     babilong_files_by_task_length,
     evaluate_babilong,
     last_location_baseline,
@@ -221,7 +222,64 @@ def test_results_json_heatmap_and_predictions_are_written(tiny_qwen3_dir, tmp_pa
 
     image = matplotlib.image.imread(tmp_path / "heatmap.png")
     assert image.ndim == 3 and image.shape[0] > 50 and image.shape[1] > 100
-    assert sorted(os.listdir(tmp_path)) == ["heatmap.png", "predictions.jsonl", "results.json"]  # no temp files left
+    assert sorted(os.listdir(tmp_path)) == ["accuracy_by_distance.png", "heatmap.png", "predictions.jsonl",
+                                            "results.json"]  # no temp files left
+
+
+def test_supporting_facts_are_found_by_replaying_the_story():
+    qa1 = _row("Mary went to the kitchen. John moved to the garden. Mary travelled to the office. The end.",
+               "Where is Mary? ", "office")
+    assert [qa1["input"][a:b] for a, b in supporting_fact_spans(qa1, "qa1")] == ["Mary travelled to the office."]
+    assert supporting_fact_spans(_row("John moved to the garden.", "Where is Mary? ", "office"), "qa1") is None
+    qa2 = _row("Mary went to the kitchen. Mary took the apple there. John went to the hallway. Mary journeyed to the "
+               "office. Mary dropped the apple there. Mary went to the garden. John got the milk there.",
+               "Where is the apple? ", "office")
+    assert [qa2["input"][a:b] for a, b in supporting_fact_spans(qa2, "qa2")] == [
+        "Mary took the apple there.", "Mary journeyed to the office.", "Mary dropped the apple there."]
+    held = _row("John went to the hallway. John got the milk there. John moved to the bedroom.",
+                "Where is the milk? ", "bedroom")
+    assert [held["input"][a:b] for a, b in supporting_fact_spans(held, "qa2")] == [
+        "John got the milk there.", "John moved to the bedroom."]
+    assert supporting_fact_spans(qa2, "qa3") is None and supporting_fact_spans(qa1, "qa2") is None
+
+
+def test_distance_bins():
+    assert [distance_bucket(d) for d in (0, 1, 2, 3, 4, 7, 8, 255, 256)] == [
+        "0", "1", "2-3", "2-3", "4-7", "4-7", "8-15", "128-255", "256-511"]
+
+
+def test_accuracy_by_distance_counts_chunks_from_the_supporting_fact(tiny_qwen3_dir, tmp_path):
+    from conftest import PROSE
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    model = _memory_model(tiny_qwen3_dir, seed=2)
+    chunk = MEMORY_SETTINGS["chunk_size"]
+    filler = " ".join(PROSE * 2)
+    rows = [_row(f"Mary went to the kitchen. {filler} {filler}", "Where is Mary? ", "kitchen"),
+            _row(f"{filler} Mary went to the kitchen. {filler}", "Where is Mary? ", "kitchen"),
+            _row(f"{filler} {filler} Mary went to the garden.", "Where is Mary? ", "garden"),
+            _row(f"{filler} Sandra moved to the office. {filler}", "Where is Sandra? ", "office")]
+    results = evaluate_babilong(model, tokenizer, {("qa1", 512): rows}, max_new_tokens=2, batch_size=2,
+                                output_dir=tmp_path, show_progress=False)
+    lines = [json.loads(line) for line in (tmp_path / "predictions.jsonl").read_text().splitlines()]
+    expected_distances = []
+    for row, line in zip(rows, lines):
+        start = row["input"].index(row["question"].split()[2].rstrip("?"))  # the actor of the fact: its first token
+        before = len(tokenizer(row["input"][: start - 1])["input_ids"]) if start else 0  # " Mary" holds the space
+        prompt = _prompt_ids(row, tokenizer)
+        assert (line["fact_chunk"], line["question_chunk"]) == (before // chunk, (len(prompt) - 1) // chunk)
+        assert line["distance_chunks"] == line["question_chunk"] - line["fact_chunk"]
+        expected_distances.append(line["distance_chunks"])
+    assert expected_distances[0] > expected_distances[1] > expected_distances[2] and expected_distances[2] <= 1
+    cell = results["details"]["qa1"]["512"]
+    assert cell["distance_chunks"]["max"] == expected_distances[0] and cell["distance_chunks"]["num_samples"] == 4
+    for label, entry in cell["by_distance"].items():
+        members = [line for line, d in zip(lines, expected_distances) if distance_bucket(d) == label]
+        assert entry["num_samples"] == len(members)
+        for mode in ("memory", "no_memory"):
+            assert entry[mode] == sum(line[mode].strip().split()[:1] == [line["target"]] for line in members) / len(members)
+    assert list(cell["by_distance"]) == sorted(cell["by_distance"], key=lambda label: int(label.split("-")[0]))
+    assert (tmp_path / "accuracy_by_distance.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_batched_answers_equal_one_row_at_a_time(tiny_qwen3_dir, tmp_path):

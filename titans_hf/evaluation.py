@@ -8,6 +8,7 @@ scoring lives in `titans_hf.tasks.babilong.scoring`.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -26,15 +27,25 @@ from titans_hf.tasks.babilong import (
     last_mentioned_label,
     read_babilong_file,
     read_babilong_files,
+    score_exact_match,
     score_predictions,
+    supporting_fact_spans,
     task_labels,
 )
-from titans_hf.utils import atomic_write, atomic_write_text, prepare_output_dir, resolve_pad_token_id
+from titans_hf.tasks.babilong.examples import PROMPT_TEMPLATE
+from titans_hf.utils import (
+    atomic_write,
+    atomic_write_text,
+    plain_backend_tokenizer,
+    prepare_output_dir,
+    resolve_pad_token_id,
+)
 
 RESULTS_NAME = "results.json"
 HEATMAP_NAME = "heatmap.png"
 PREDICTIONS_NAME = "predictions.jsonl"
-OUTPUT_NAMES = (RESULTS_NAME, HEATMAP_NAME, PREDICTIONS_NAME)
+DISTANCE_PLOT_NAME = "accuracy_by_distance.png"
+OUTPUT_NAMES = (RESULTS_NAME, HEATMAP_NAME, PREDICTIONS_NAME, DISTANCE_PLOT_NAME)
 # No truncation at evaluation: the whole story is the test. build_example wants a budget; this one never binds.
 _UNBOUNDED_LENGTH = 1 << 62
 
@@ -86,6 +97,38 @@ def _prompt_ids(row: Mapping[str, str], tokenizer) -> list[int]:
     """The prompt exactly as training assembles it (same template, same special tokens), untruncated."""
     example = build_example(dict(row), tokenizer, _UNBOUNDED_LENGTH, answer_reserve_tokens=1, pad_to_max_length=False)
     return example["input_ids"][: example["prompt_length"]]
+
+
+def _fact_chunks(row: Mapping[str, str], task: str, tokenizer, chunk_size: int | None) -> tuple[int, int] | None:
+    """(chunk holding the first token of the earliest supporting fact, chunk holding the prompt's last token), counted
+    from the row's first token as the model cuts it; None without a chunk size or when the task's supporting facts
+    cannot be found (see `supporting_fact_spans`)."""
+    spans = supporting_fact_spans(row, task) if chunk_size else None
+    if spans is None:
+        return None
+    prompt = PROMPT_TEMPLATE.format(input=row["input"], question=row["question"])
+    encoding = plain_backend_tokenizer(tokenizer).encode(prompt, add_special_tokens=True)
+    first = next(token for char in range(spans[0][0], spans[0][1]) if (token := encoding.char_to_token(char)) is not None)
+    return first // chunk_size, (len(encoding.ids) - 1) // chunk_size
+
+
+def distance_bucket(distance: int) -> str:
+    """The distance bin (in chunks) a row is reported in: 0, 1, then powers of two (2-3, 4-7, 8-15, ...)."""
+    if distance < 2:
+        return str(distance)
+    low = 1 << (distance.bit_length() - 1)
+    return f"{low}-{2 * low - 1}"
+
+
+def _accuracy_by_distance(distances: Sequence[int | None], hits: Mapping[str, Sequence[bool]]) -> dict[str, Any]:
+    """Exact match per distance bin, per mode, over the rows whose distance is known, in order of distance."""
+    by_bin: dict[str, list[int]] = {}
+    for index, distance in sorted(enumerate(distances), key=lambda pair: -1 if pair[1] is None else pair[1]):
+        if distance is not None:
+            by_bin.setdefault(distance_bucket(distance), []).append(index)
+    return {label: {"num_samples": len(indices),
+                    **{mode: sum(flags[i] for i in indices) / len(indices) for mode, flags in hits.items()}}
+            for label, indices in by_bin.items()}
 
 
 def _batches(prompts: Sequence[list[int]], batch_size: int, padding_multiple: int | None) -> list[list[int]]:
@@ -164,21 +207,40 @@ def _generate_answers(model, tokenizer, prompts, batches, generation_config, pro
 # Outputs
 
 
+def _length_label(length: str, chunk_size: int | None) -> str:
+    """A length as the README's tables write it: "1024 (32)" = 1024 tokens, 32 chunks; a published label as is."""
+    if chunk_size and length.isdigit() and int(length) > 0:
+        return f"{length} ({math.ceil(int(length) / chunk_size)})"
+    return length
+
+
+def _plot_note(results: Mapping[str, Any]) -> str:
+    """Chance and the trained length, for a figure's title."""
+    chances = sorted({round(100 * cell["chance"], 1) for per_length in results["details"].values()
+                      for cell in per_length.values()})
+    note = f"chance {' / '.join(f'{c:g}' for c in chances)} %"
+    trained, chunk_size = results.get("trained_length"), results.get("chunk_size")
+    if trained:
+        note += f"; trained on inputs of up to {_length_label(str(trained), chunk_size)} tokens (chunks)"
+    return note
+
+
 def plot_heatmap(results: Mapping[str, Any], path: str | os.PathLike) -> Path:
-    """BABILong's figure: tasks down, lengths across, accuracy (%) in each cell; one panel with the memory, one
-    without, on the same colour scale so the two read side by side."""
+    """BABILong's figure: tasks down, lengths across (tokens, and chunks in parentheses), accuracy (%) in each cell
+    as the table gives it (one decimal) with its number of rows; one panel with the memory, one without, on the same
+    colour scale so the two read side by side; chance and the trained length in the title."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    accuracy = results["accuracy"]
+    accuracy, details = results["accuracy"], results["details"]
     tasks = list(accuracy)
     lengths = list(dict.fromkeys(length for per_length in accuracy.values() for length in per_length))
     modes = [mode for mode in ("memory", "no_memory") if any(mode in cell for t in tasks for cell in accuracy[t].values())]
     titles = {"memory": "with memory", "no_memory": "memory off (same weights)"}
     figure, axes = plt.subplots(
-        1, len(modes), figsize=(1.2 + 1.1 * len(lengths) * len(modes), 1.4 + 0.6 * len(tasks)), squeeze=False
+        1, len(modes), figsize=(1.6 + 1.3 * len(lengths) * len(modes), 1.8 + 0.7 * len(tasks)), squeeze=False
     )
     for axis, mode in zip(axes[0], modes):
         grid = [[accuracy[t].get(length, {}).get(mode) for length in lengths] for t in tasks]
@@ -187,12 +249,55 @@ def plot_heatmap(results: Mapping[str, Any], path: str | os.PathLike) -> Path:
         for i, row in enumerate(values):
             for j, value in enumerate(row):
                 if value == value:  # not NaN: a cell that was evaluated
-                    axis.text(j, i, f"{value:.0f}", ha="center", va="center", fontsize=10)
-        axis.set_xticks(range(len(lengths)), [str(length) for length in lengths])
+                    rows = details[tasks[i]][lengths[j]]["num_samples"]
+                    axis.text(j, i - 0.1, f"{value:.1f}", ha="center", va="center", fontsize=10)
+                    axis.text(j, i + 0.25, f"n={rows}", ha="center", va="center", fontsize=7, color="dimgrey")
+        axis.set_xticks(range(len(lengths)), [_length_label(length, results.get("chunk_size")) for length in lengths],
+                        fontsize=8)
         axis.set_yticks(range(len(tasks)), tasks)
-        axis.set_xlabel("length (tokens)")
+        axis.set_xlabel("input tokens (chunks)" if results.get("chunk_size") else "input length (tokens)")
         axis.set_title(titles[mode])
     figure.colorbar(image, ax=list(axes[0]), label="exact match (%)")
+    figure.suptitle(_plot_note(results), fontsize=9, y=1.02)
+    path = Path(path)
+    atomic_write(path, lambda temporary: figure.savefig(temporary, format="png", dpi=120, bbox_inches="tight"))
+    plt.close(figure)
+    return path
+
+
+def plot_accuracy_by_distance(results: Mapping[str, Any], path: str | os.PathLike) -> Path:
+    """Exact match against the distance in chunks between the supporting fact and the question, one line per task and
+    length, solid with the memory and dashed with it off; distance bins on the x axis in order, chance dotted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = [(task, length, cell) for task, per_length in results["details"].items()
+             for length, cell in per_length.items() if "by_distance" in cell]
+    if not cells:
+        raise ValueError("plot_accuracy_by_distance: no cell has accuracy by distance (a TitansQwen on qa1 or qa2)")
+    bins = sorted({label for _, _, cell in cells for label in cell["by_distance"]},
+                  key=lambda label: int(label.split("-")[0]))
+    figure, axis = plt.subplots(figsize=(1.5 + 0.6 * len(bins), 3.8))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for index, (task, length, cell) in enumerate(cells):
+        colour = colours[index % len(colours)]
+        for mode, style in (("memory", "-"), ("no_memory", "--")):
+            points = [(bins.index(label), 100 * entry[mode]) for label, entry in cell["by_distance"].items()
+                      if mode in entry]
+            if points:
+                label = f"{task} {_length_label(length, results.get('chunk_size'))}"
+                axis.plot(*zip(*points), style, marker="o", markersize=3, color=colour,
+                          label=f"{label}, {'with memory' if mode == 'memory' else 'memory off'}")
+    chance = 100 * cells[0][2]["chance"]
+    axis.axhline(chance, color="grey", linestyle=":", linewidth=1, label=f"chance {chance:.1f} %")
+    axis.set_xticks(range(len(bins)), bins)
+    axis.set_ylim(0, 102)
+    axis.set_xlabel("chunks between the supporting fact and the question")
+    axis.set_ylabel("exact match (%)")
+    axis.set_title(_plot_note(results), fontsize=9)
+    axis.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     path = Path(path)
     atomic_write(path, lambda temporary: figure.savefig(temporary, format="png", dpi=120, bbox_inches="tight"))
     plt.close(figure)
@@ -213,6 +318,7 @@ def evaluate_babilong(
     ablation: bool = True,
     show_progress: bool = True,
     mixed_length_batches: bool | None = None,
+    trained_length: int | None = None,
 ) -> dict[str, Any]:
     """Answer BABILong rows greedily and score them per (task, length), with the memory on and, when
     `ablation`, again on the same weights inside `model.memory_disabled()`.
@@ -224,15 +330,22 @@ def evaluate_babilong(
     the cell's rows ("labels_from" says which). Returns (and, with `output_dir`, writes as results.json beside
     heatmap.png and the per-row predictions.jsonl):
 
-        {"metric": "exact_match",
+        {"metric": "exact_match", "chunk_size": the model's chunk size (None for a plain model),
+         "trained_length": `trained_length`,
          "accuracy": {task: {length: {"memory": acc, "no_memory": acc}}},      # the model card's table
          "details": {task: {length: {"num_samples", "prompt_tokens": {"min", "max", "mean"}, "labels",
                                      "labels_from", "chance", "last_location_baseline", "num_not_last_location",
                                      "memory": {"exact_match", "label_substring", "exact_match_not_last_location"},
-                                     "no_memory": {...same...}}}}}
+                                     "no_memory": {...same...},
+                                     "distance_chunks": {"min", "max", "mean", "num_samples"},
+                                     "by_distance": {bin: {"num_samples", "memory": acc, "no_memory": acc}}}}}}
 
     Lengths are JSON keys, hence strings (a published label such as "32k" stays as it is). "no_memory" entries
-    exist only with `ablation`.
+    exist only with `ablation`. The distance of a row is the number of chunks between the chunk holding the first
+    token of its earliest supporting fact and the chunk holding the prompt's last token (where the answer starts);
+    "distance_chunks" and "by_distance" (bins 0, 1, 2-3, 4-7, ...) exist for a TitansQwen on tasks whose supporting
+    facts can be found (`supporting_fact_spans`: qa1, qa2), and predictions.jsonl then gives each row's
+    "fact_chunk", "question_chunk" and "distance_chunks". `trained_length` (tokens, optional) is drawn on the plots.
 
     Batches of up to `batch_size` rows answer exactly as each row alone: with a model that has `padding_multiple`
     (a TitansQwen) rows of mixed lengths are left-padded by whole multiples of it (`mixed_length_batches=None` or
@@ -253,7 +366,10 @@ def evaluate_babilong(
     cells = [(task, length, _resolve_rows(task, length, source)) for (task, length), source in data.items()]
     generation_config = _generation_config(model, tokenizer, max_new_tokens)
     modes = ["memory", "no_memory"] if ablation else ["memory"]
-    results: dict[str, Any] = {"metric": "exact_match", "accuracy": {}, "details": {}}
+    memory_config = getattr(getattr(model, "config", None), "memory_config", None)
+    chunk_size = getattr(memory_config, "chunk_size", None)
+    results: dict[str, Any] = {"metric": "exact_match", "chunk_size": chunk_size, "trained_length": trained_length,
+                               "accuracy": {}, "details": {}}
     prediction_lines: list[str] = []
     was_training = model.training
     model.eval()
@@ -276,6 +392,8 @@ def evaluate_babilong(
                             )
                 baseline = last_location_baseline(rows, labels)
                 key = str(length)
+                fact_chunks = [_fact_chunks(row, task, tokenizer, chunk_size) for row in rows]
+                distances = [None if chunks is None else chunks[1] - chunks[0] for chunks in fact_chunks]
                 detail: dict[str, Any] = {
                     "num_samples": len(rows),
                     "prompt_tokens": {
@@ -291,11 +409,21 @@ def evaluate_babilong(
                 }
                 for mode in modes:
                     detail[mode] = score_predictions(rows, answers[mode], labels)
+                known = [distance for distance in distances if distance is not None]
+                if known:
+                    hits = {mode: [score_exact_match(answer, row["target"]) for answer, row in zip(answers[mode], rows)]
+                            for mode in modes}
+                    detail["distance_chunks"] = {"min": min(known), "max": max(known), "mean": sum(known) / len(known),
+                                                 "num_samples": len(known)}
+                    detail["by_distance"] = _accuracy_by_distance(distances, hits)
                 results["details"].setdefault(task, {})[key] = detail
                 results["accuracy"].setdefault(task, {})[key] = {mode: detail[mode]["exact_match"] for mode in modes}
                 for index, row in enumerate(rows):
                     line = {"task": task, "length": key, "index": index, "target": row["target"],
                             "last_location": last_mentioned_label(row["input"], labels)}
+                    if fact_chunks[index] is not None:
+                        line.update(fact_chunk=fact_chunks[index][0], question_chunk=fact_chunks[index][1],
+                                    distance_chunks=distances[index])
                     line.update({mode: answers[mode][index] for mode in modes})
                     prediction_lines.append(json.dumps(line, ensure_ascii=False))
     finally:
@@ -306,6 +434,10 @@ def evaluate_babilong(
         (folder / RESULTS_NAME).unlink(missing_ok=True)
         atomic_write_text(folder / PREDICTIONS_NAME, "\n".join(prediction_lines) + "\n")
         plot_heatmap(results, folder / HEATMAP_NAME)
+        if any("by_distance" in cell for per_length in results["details"].values() for cell in per_length.values()):
+            plot_accuracy_by_distance(results, folder / DISTANCE_PLOT_NAME)
+        else:
+            (folder / DISTANCE_PLOT_NAME).unlink(missing_ok=True)
         # last: results.json present means the whole evaluation finished
         atomic_write_text(folder / RESULTS_NAME, json.dumps(results, indent=2) + "\n")
     return results
@@ -335,6 +467,24 @@ def format_results_table(results: Mapping[str, Any]) -> str:
     if derived:
         table += f"\nlabels of {', '.join(derived)}: {LABELS_FROM_TARGETS}"
     return table
+
+
+def format_distance_table(results: Mapping[str, Any]) -> str:
+    """A plain-text table of accuracy by distance (chunks from the supporting fact to the question), memory on and
+    off, for every cell that has one; empty when none has."""
+    def percent(value) -> str:
+        return "-" if value is None else f"{100 * value:.1f}"
+
+    lines = [["task", "length", "distance (chunks)", "n", "memory", "no memory"]]
+    for task, per_length in results["details"].items():
+        for length, cell in per_length.items():
+            for label, entry in cell.get("by_distance", {}).items():
+                lines.append([task, length, label, str(entry["num_samples"]), percent(entry.get("memory")),
+                              percent(entry.get("no_memory"))])
+    if len(lines) == 1:
+        return ""
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -389,5 +539,7 @@ __all__ = [
     "load_model_for_eval",
     "babilong_files_by_task_length",
     "plot_heatmap",
+    "plot_accuracy_by_distance",
     "format_results_table",
+    "format_distance_table",
 ]

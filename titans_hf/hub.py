@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -98,6 +99,10 @@ class TitansMemoryConfig:
     memory_batch_size: int | None = field(default=None, metadata={
         "help": "Tokens between refreshes of the point where inner gradients are taken (None: every update)."})
     max_lr: float = field(default=0.1, metadata={"help": "Upper bound of the data-dependent inner learning rate."})
+    theta_bias_init: float = field(default=-2.0, metadata={
+        "help": "Initial bias of the write gate: theta starts near max_lr * sigmoid(theta_bias_init)."})
+    forget_bias_init: float = field(default=-4.0, metadata={
+        "help": "Initial bias of the forget gate: alpha starts near sigmoid(forget_bias_init) per memory update."})
     num_memory_tokens: int = field(default=0, metadata={"help": "mac: memory tokens read at the start of a chunk."})
     num_persistent_tokens: int = field(default=0, metadata={"help": "mac: learned tokens prefixing every chunk."})
     attend_previous_chunk: bool = field(default=True, metadata={
@@ -144,6 +149,11 @@ class TitansMemoryConfig:
         if isinstance(self.max_lr, bool) or not isinstance(self.max_lr, (int, float)) or not self.max_lr > 0:
             raise ValueError(f"max_lr={self.max_lr!r} must be a number > 0")
         self.max_lr = float(self.max_lr)
+        for name in ("theta_bias_init", "forget_bias_init"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name}={value!r} must be a finite number")
+            setattr(self, name, float(value))
         if self.memory_layers is not None:
             if (not isinstance(self.memory_layers, (list, tuple)) or not self.memory_layers
                     or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.memory_layers)):

@@ -10,12 +10,10 @@ import datasets
 import torch
 
 from titans_hf.evaluation import (
-    HEATMAP_NAME,
     OUTPUT_NAMES,
-    PREDICTIONS_NAME,
-    RESULTS_NAME,
     babilong_files_by_task_length,
     evaluate_babilong,
+    format_distance_table,
     format_results_table,
     load_model_for_eval,
 )
@@ -112,8 +110,11 @@ def eval_command(args: argparse.Namespace) -> int:
         output_dir=args.output, ablation=not args.no_ablation,
     )
     print(format_results_table(results))
-    print(f"wrote {Path(args.output) / RESULTS_NAME}, {Path(args.output) / HEATMAP_NAME}, "
-          f"{Path(args.output) / PREDICTIONS_NAME}")
+    by_distance = format_distance_table(results)
+    if by_distance:
+        print(f"\nby distance from the supporting fact to the question:\n{by_distance}")
+    written = [name for name in OUTPUT_NAMES if (Path(args.output) / name).exists()]
+    print(f"wrote {', '.join(str(Path(args.output) / name) for name in written)}")
     return 0
 
 

@@ -414,6 +414,29 @@ class NeuralMemory(nn.Module):
         read = self.model(state.weights, q)
         return read.transpose(1, 2).reshape(rows, -1, inner).to(hidden.dtype)
 
+    def token_inputs(self, hidden: Tensor, conv_tail: Tensor, mask: Tensor | None, real: Tensor
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """What each token of `hidden` [B, T, hidden_size] brings to the update rule: ``(q, k, v, theta,
+        gate_logits, conv_tail)`` with q, k, v [B, H, T, d] (the convolution continuing from `conv_tail`, the
+        previous tokens' K-1 projections), theta [B, H, T] (zero where `real` [B, T] is 0), the momentum and forget
+        logits [B, T, 2H] (averaged per update chunk by the caller) and the new conv tail; all in the state dtype."""
+        B, T, _ = hidden.shape
+        H, d, dtype = self.num_heads, self.head_dim, self.state_dtype
+        x = self.norm(hidden.to(self.to_qkv.weight.dtype))
+        qkv = self.to_qkv(x).to(dtype)
+        gates = self.to_gates(x).to(dtype)
+        if mask is not None:
+            qkv = qkv * real[..., None]
+
+        # causal depthwise convolution, continuing from the previous call's last K-1 tokens
+        seq = torch.cat([conv_tail, qkv], dim=1)
+        conv_tail = seq[:, seq.shape[1] - (self.conv_kernel - 1):]
+        qkv = _CausalDepthwiseConv.apply(seq, self.conv_weight.to(dtype))
+        q, k, v = qkv.view(B, T, 3, H, d).permute(2, 0, 3, 1, 4).reshape(3, B, H, T, d).unbind(0)
+        q, k = F.normalize(F.silu(q), dim=-1), F.normalize(F.silu(k), dim=-1)
+        lr = (self.max_lr * torch.sigmoid(gates[..., :H]) * real[..., None]).transpose(1, 2)  # [B, H, T]
+        return q, k, v, lr, gates[..., H:], conv_tail
+
     # ---- the update rule ----
 
     def _clip_scale(self, grads: Sequence[Tensor]) -> Tensor | None:
@@ -451,27 +474,15 @@ class NeuralMemory(nn.Module):
         H, d, C, dtype = self.num_heads, self.head_dim, self.chunk_size, self.state_dtype
         BH = B * H
 
-        x = self.norm(hidden.to(self.to_qkv.weight.dtype))
-        qkv = self.to_qkv(x).to(dtype)
-        gates = self.to_gates(x).to(dtype)
         real = torch.ones(B, T, device=hidden.device, dtype=dtype) if mask is None else mask.to(dtype)
-        if mask is not None:
-            qkv = qkv * real[..., None]
-
-        # causal depthwise convolution, continuing from the previous call's last K-1 tokens
-        seq = torch.cat([state.conv_tail, qkv], dim=1)
-        conv_tail = seq[:, seq.shape[1] - (self.conv_kernel - 1):]
-        qkv = _CausalDepthwiseConv.apply(seq, self.conv_weight.to(dtype))
-        q, k, v = qkv.view(B, T, 3, H, d).permute(2, 0, 3, 1, 4).reshape(3, B, H, T, d).unbind(0)
-        q, k = F.normalize(F.silu(q), dim=-1), F.normalize(F.silu(k), dim=-1)
-        lr = (self.max_lr * torch.sigmoid(gates[..., :H]) * real[..., None]).transpose(1, 2)  # [B, H, T]
+        q, k, v, lr, chunk_gate_logits, conv_tail = self.token_inputs(hidden, state.conv_tail, mask, real)
 
         # prepend the unfinished chunk's buffered tokens: they write now, but were read in the previous call
         r = state.buffer_keys.shape[2]
         k = torch.cat([state.buffer_keys, k], dim=2)
         v = torch.cat([state.buffer_values, v], dim=2)
         lr = torch.cat([state.buffer_lr, lr], dim=2)
-        gate_logits = torch.cat([state.buffer_gate_logits, gates[..., H:]], dim=1)
+        gate_logits = torch.cat([state.buffer_gate_logits, chunk_gate_logits], dim=1)
         real = torch.cat([state.buffer_mask, real], dim=1)
         N = r + T
         n_full = N // C

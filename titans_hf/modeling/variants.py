@@ -49,6 +49,8 @@ class TitansMemoryBlock(nn.Module):
             chunk_size=memory.memory_chunk_size,
             batch_size=memory.memory_batch_size,
             max_lr=memory.max_lr,
+            theta_bias_init=memory.theta_bias_init,
+            forget_bias_init=memory.forget_bias_init,
             memory_model=memory.memory_model,
         )
         self.output_weight = nn.Parameter(torch.zeros(hidden, memory.memory_num_heads * memory.memory_head_dim))

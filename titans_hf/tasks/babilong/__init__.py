@@ -43,6 +43,7 @@ from .scoring import (
     score_exact_match,
     score_label_substring,
     score_predictions,
+    supporting_fact_spans,
     task_labels,
 )
 
@@ -80,6 +81,7 @@ __all__ = [
     "score_exact_match",
     "score_label_substring",
     "score_predictions",
+    "supporting_fact_spans",
     "task_labels",
     "train_eval_split",
     "write_babilong_json",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
-from .generate import LOCATIONS
+from .generate import ACTORS, DROP_VERBS, LOCATIONS, MOVE_VERBS, OBJECTS, PICK_VERBS
 
 # BABILong's own label sets (booydar/babilong, babilong/metrics.py, TASK_LABELS); the tasks it lists no set for
 # (qa8, qa11-qa20) are scored against the distinct targets of the rows (see `task_labels`).
@@ -65,6 +65,56 @@ def last_mentioned_label(text: str, labels: Sequence[str]) -> str | None:
     pattern = re.compile(r"\b(" + "|".join(re.escape(label) for label in labels) + r")\b", re.IGNORECASE)
     matches = pattern.findall(text)
     return matches[-1].lower() if matches else None
+
+
+def _alternatives(words: Sequence[str]) -> str:
+    return "|".join(re.escape(word) for word in sorted(words, key=len, reverse=True))
+
+
+_ACTOR, _OBJECT = f"({_alternatives(ACTORS)})", f"({_alternatives(OBJECTS)})"
+_FACT = re.compile(
+    rf"\b{_ACTOR} (?:(?:{_alternatives(MOVE_VERBS)}) the ({_alternatives(LOCATIONS)})\."
+    rf"|(?P<pick>{_alternatives(PICK_VERBS)}) the {_OBJECT} there\."
+    rf"|(?P<drop>{_alternatives(DROP_VERBS)}) the {_OBJECT} there\.)"
+)
+_QUESTION = {
+    "qa1": re.compile(rf"^Where is {_ACTOR}\?"),
+    "qa2": re.compile(rf"^Where is the {_OBJECT}\?"),
+}
+SUPPORTED_FACT_TASKS = tuple(_QUESTION)
+
+
+def supporting_fact_spans(row: Mapping[str, str], task: str) -> list[tuple[int, int]] | None:
+    """Character spans in ``row["input"]`` of the facts the answer rests on, found by replaying the bAbI story.
+
+    QA1 ("Where is Mary?"): Mary's last move. QA2 ("Where is the apple?"): the pick-up of the apple by its latest
+    holder, that holder's last move while holding it, and the drop if it was put down. None for other tasks, or when
+    the story does not settle the question (a row that is not bAbI text)."""
+    question = _QUESTION.get(task)
+    asked = question.match(row["question"].strip()) if question else None
+    if asked is None:
+        return None
+    last_move: dict[str, tuple[int, int]] = {}
+    holder: dict[str, str | None] = {}
+    support: dict[str, list[tuple[int, int]]] = {}
+    for fact in _FACT.finditer(row["input"]):
+        actor, span = fact.group(1), fact.span()
+        if fact.group("pick"):
+            obj = fact.group(4)
+            holder[obj] = actor
+            support[obj] = [span] + ([last_move[actor]] if actor in last_move else [])
+        elif fact.group("drop"):
+            obj = fact.group(6)
+            holder[obj] = None
+            support.setdefault(obj, []).append(span)
+        else:
+            last_move[actor] = span
+            for obj, held_by in holder.items():
+                if held_by == actor:
+                    support[obj] = [support[obj][0], span]
+    subject = asked.group(1)
+    spans = ([last_move[subject]] if subject in last_move else None) if task == "qa1" else support.get(subject)
+    return sorted(spans) if spans else None
 
 
 def _mean(flags: Sequence[bool]) -> float | None:
