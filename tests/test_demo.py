@@ -155,12 +155,14 @@ def test_demo_run_info_records_the_training(demo):
     assert info["train_lengths"] == [0, 96] and info["eval_lengths"] == [96, 128]
     # 90% of 8 rows per length, the split of the titans_babilong builder
     assert info["num_train_rows"] == 2 * 7
-    # one-chunk bare stories first, then every row: the longest, an input of 3 chunks + question + answer
+    # one-chunk bare stories first, then up to the longest bare story, then every row: the longest, an input of 3
+    # chunks + question + answer
     tokenizer = demo["tokenizer"]
-    longest = max(len(tokenizer(f"{row['input']}\n\nQuestion: {row['question']}\nAnswer: {row['target']}")["input_ids"])
-                  for path in demo["paths"]["data"] for row in json.loads(path.read_text()))
-    assert 96 < longest <= 128
-    assert info["curriculum_chunks"] == [1, 4]
+    chunks = {path.name: [-(-len(tokenizer(f"{row['input']}\n\nQuestion: {row['question']}\nAnswer: {row['target']}")
+                                 ["input_ids"]) // 32) for row in json.loads(path.read_text())]
+              for path in demo["paths"]["data"]}
+    assert min(chunks["train_0.json"]) == 1 and max(chunks["train_96.json"]) == 4
+    assert info["curriculum_chunks"] == sorted({1, max(chunks["train_0.json"]), 4})
     assert set(info["timings"]) == {"stage_a_s", "stage_b_train_s", "eval_s", "total_s"}
 
 
@@ -209,19 +211,22 @@ def test_demo_with_a_given_model_skips_stage_a(tiny_qwen3_dir, tmp_path):
 def test_goal_report_applies_each_bar_to_its_lengths():
     from titans_hf.demo import goal_report
 
-    def cell(memory, no_memory):
-        return {"chance": 1 / 6, "memory": {"exact_match": memory}, "no_memory": {"exact_match": no_memory}}
+    def cell(memory, no_memory, not_last=None):
+        return {"chance": 1 / 6, "no_memory": {"exact_match": no_memory},
+                "memory": {"exact_match": memory, "exact_match_not_last_location": memory if not_last is None else not_last}}
 
-    results = {"details": {"qa1": {"96": cell(0.1, 0.9), "128": cell(0.9, 0.25), "512": cell(0.89, 0.2),
-                                   "1024": cell(0.85, 0.1), "2048": cell(0.95, 0.3)}}}
-    lines = goal_report(results, longest_trained=128, chunk_size=32)
+    results = {"details": {"qa1": {"96": cell(0.1, 0.9), "1024": cell(0.95, 0.25), "992": cell(0.949, 0.2),
+                                   "8192": cell(0.90, 0.1, not_last=0.86), "8224": cell(0.80, 0.1),
+                                   "32768": cell(0.95, 0.3), "65536": cell(0.9, 0.1, not_last=0.84)}}}
+    lines = goal_report(results, chunk_size=32)
     # 96 tokens is under 4 chunks: not part of the goal
-    assert [line.split()[1] for line in lines] == ["128", "512", "1024", "2048"]
-    assert lines[0].endswith(": met") and "goal >= 90%" in lines[0]  # 0.25 is 8.3 points above chance
-    assert lines[1].endswith("NOT met") and "goal >= 90%" in lines[1]  # 4x the longest trained: still 90%
-    assert lines[2].endswith(": met") and "goal >= 85%" in lines[2]  # 8x
-    assert lines[3].endswith("NOT met")  # 0.30 without memory is 13.3 points above chance
-
+    assert [line.split()[1] for line in lines] == ["1024", "992", "8192", "8224", "32768", "65536"]
+    assert lines[0].endswith(": met") and "goal >= 95%" in lines[0]  # 0.25 is 8.3 points above chance
+    assert lines[1].endswith("NOT met") and "(31 chunks)" in lines[1]  # up to 32 chunks: 95%
+    assert lines[2].endswith(": met") and "goal >= 90%" in lines[2]  # 256 chunks: 90%, not-last 4 points below
+    assert lines[3].endswith(": met") and "goal >= 80%" in lines[3]  # 257 chunks: 80%
+    assert lines[4].endswith("NOT met")  # 0.30 without memory is 13.3 points above chance
+    assert lines[5].endswith("NOT met")  # where the last place is wrong: 6 points below all rows
 
 
 def test_embedding_similarity_measures_whether_names_share_one_vector(tmp_path):

@@ -34,7 +34,7 @@ from transformers import (
     set_seed,
 )
 
-from titans_hf.evaluation import evaluate_babilong, load_model_for_eval
+from titans_hf.evaluation import DISTANCE_PLOT_NAME, evaluate_babilong, load_model_for_eval
 from titans_hf.local_models import build_qwen, build_tokenizer, mean_embedding_cosine, pretrain_causal_lm
 from titans_hf.tasks.babilong import (
     ACTORS,
@@ -76,6 +76,8 @@ MEMORY_SETTINGS = dict(
     conv_kernel=6,  # spans "Mary went back to the kitchen" and "Mary? \nAnswer:"
     memory_chunk_size=8,
     max_lr=1.0,
+    # a fact written must stay for hundreds of chunks: forgetting starts near 3e-4 per update, not 2e-2 (docs/length.md)
+    forget_bias_init=-8.0,
     checkpoint_chunks=False,  # a few hundred tokens: recomputation would only cost time
     # chunk-local attention: with memory off, no chunk sees another, so the ablation shows what the memory carries
     attend_previous_chunk=False,
@@ -249,6 +251,7 @@ def plot_loss_curve(log_history: list[dict[str, Any]], path: str | Path, steps_p
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter, ScalarFormatter
 
     points = [(entry["step"], entry["loss"]) for entry in log_history if "loss" in entry and "step" in entry]
     if not points:
@@ -256,6 +259,8 @@ def plot_loss_curve(log_history: list[dict[str, Any]], path: str | Path, steps_p
     figure, axis = plt.subplots(figsize=(6, 3.5))
     axis.plot([s for s, _ in points], [loss for _, loss in points], marker=".", linewidth=1)
     axis.set_yscale("log")
+    axis.yaxis.set_major_formatter(ScalarFormatter())  # 0.1, 1 rather than 10^-1, 10^0
+    axis.yaxis.set_minor_formatter(FormatStrFormatter("%.2g"))
     axis.set_xlabel("optimizer step")
     axis.set_ylabel("answer loss (cross-entropy)")
     axis.axhline(math.log(len(LOCATIONS)), color="grey", linestyle=":", label="chance among the 6 places")
@@ -275,25 +280,27 @@ def run_demo(
     model: str | None = None,
     task: str = "qa1",
     chunk_size: int = 32,
-    train_chunks: tuple[int, ...] = (0, 3, 4),
-    eval_chunks: tuple[int, ...] = (4, 8, 16, 32),
+    train_chunks: tuple[int, ...] = (0, 4, 8, 16),
+    eval_chunks: tuple[int, ...] = (4, 32, 256),
     pretrain_steps: int = 800,
     entity_share: float = 0.5,
     num_train_samples: int = 1000,
     num_eval_samples: int = 200,
-    epochs: int = 14,
+    epochs: int = 11,
     batch_size: int = 32,
     learning_rate: float = 3e-3,
     memory_settings: dict[str, Any] | None = None,
     seed: int = 0,
     threads: int | None = 1,
     max_steps: int = -1,
+    staged_curriculum: bool = True,
     show_progress: bool = True,
 ) -> dict[str, Any]:
     """Stage a (unless `model` names a base), then stage b; returns results, run info, paths and the trained model.
 
     Lengths are given in chunks of the input (the question comes after it); `train_chunks` 0 means bare stories.
-    The first epoch trains on rows of one chunk (bare stories), later epochs on all. Evaluation rows come from
+    The first epoch trains on rows of one chunk (bare stories); with `staged_curriculum` each later epoch admits the
+    rows of the next trained length until all are in, else the second epoch admits them all at once. Evaluation rows come from
     other generator seeds than training rows. `memory_settings` override `MEMORY_SETTINGS` (and the
     TitansQwenConfig defaults: variant, memory_layers, ...).
     """
@@ -341,9 +348,12 @@ def run_demo(
     train_rows = {length: generate_babilong(task, num_train_samples, length, tokenizer, seed=1000 * seed + 100 + index)
                   for index, length in enumerate(train_lengths)}
     data_files = write_training_files(data_dir, train_rows, task)
-    # curriculum: the shortest rows first (bare stories of one chunk), then every row
-    chunks = row_chunks([row for rows in train_rows.values() for row in rows], tokenizer, chunk_size)
-    stages = sorted({min(chunks), max(chunks)})
+    # curriculum: the shortest rows first (bare stories of one chunk), then every row, or with `staged_curriculum`
+    # one length more each epoch (1 chunk, then up to the rows of each trained length in turn)
+    chunks_by_length = {length: row_chunks(rows, tokenizer, chunk_size) for length, rows in train_rows.items()}
+    chunks = [count for counts in chunks_by_length.values() for count in counts]
+    stages = sorted({min(chunks), max(chunks)} | ({max(counts) for counts in chunks_by_length.values()}
+                                                  if staged_curriculum else set()))
     settings = dict(MEMORY_SETTINGS, **(memory_settings or {}))
     model_args = ModelArguments(model_name_or_path=base)
     memory_args = MemoryArguments(chunk_size=chunk_size, **settings)
@@ -390,7 +400,8 @@ def run_demo(
     eval_rows = {length: generate_babilong(task, num_eval_samples, length, tokenizer, seed=1000 * seed + 500 + index)
                  for index, length in enumerate(eval_lengths)}
     results = evaluate_babilong(reloaded, tokenizer, {(task, length): eval_rows[length] for length in eval_lengths},
-                                max_new_tokens=3, batch_size=64, output_dir=output, show_progress=show_progress)
+                                max_new_tokens=3, batch_size=64, output_dir=output, show_progress=show_progress,
+                                trained_length=max(train_lengths))
     timings["eval_s"] = time.time() - eval_started
     timings["total_s"] = time.time() - started
     run_info.update({
@@ -415,6 +426,7 @@ def run_demo(
         "paths": {
             "results": output / "results.json",
             "heatmap": output / "heatmap.png",
+            "distance_plot": output / DISTANCE_PLOT_NAME,
             "predictions": output / "predictions.jsonl",
             "loss_curve": output / LOSS_PLOT_NAME,
             "run_info": output / RUN_INFO_NAME,
@@ -425,20 +437,28 @@ def run_demo(
     }
 
 
-def goal_report(results: dict[str, Any], longest_trained: int, chunk_size: int) -> list[str]:
-    """The main job's goal, checked cell by cell from 4 chunks on: >= 90% with the memory up to 4x the longest
-    trained length and >= 85% beyond it, while the same weights without the memory stay within 10 points of
-    chance."""
+# The floors of the length goal: accuracy with the memory needed up to each chunk count (the last one beyond it)
+LENGTH_GOALS = ((32, 0.95), (256, 0.90), (None, 0.80))
+
+
+def goal_report(results: dict[str, Any], chunk_size: int) -> list[str]:
+    """The main job's goal, checked cell by cell from 4 chunks on: with the memory >= 95% up to 32 chunks, >= 90% up
+    to 256 and >= 80% beyond; on the rows where the last place mentioned is wrong, within 5 points of all rows; the
+    same weights without the memory within 10 points of chance."""
     lines = []
     for task, per_length in results["details"].items():
         for length, cell in per_length.items():
-            tokens = int(length)
-            if tokens < 4 * chunk_size:
+            chunks = math.ceil(int(length) / chunk_size)
+            if chunks < 4:
                 continue
+            needed = next(goal for limit, goal in LENGTH_GOALS if limit is None or chunks <= limit)
             memory, no_memory, chance = cell["memory"]["exact_match"], cell["no_memory"]["exact_match"], cell["chance"]
-            needed = 0.85 if tokens > 4 * longest_trained else 0.9
-            met = memory >= needed and abs(no_memory - chance) <= 0.10
-            lines.append(f"{task} {length:>6} tokens: memory {100 * memory:.1f}% (goal >= {100 * needed:.0f}%), "
-                         f"no memory {100 * no_memory:.1f}% (goal within 10 points of {100 * chance:.1f}%): "
+            not_last = cell["memory"]["exact_match_not_last_location"]
+            met = (memory >= needed and abs(no_memory - chance) <= 0.10
+                   and (not_last is None or not_last >= memory - 0.05))
+            not_last_text = "-" if not_last is None else f"{100 * not_last:.1f}%"
+            lines.append(f"{task} {length:>6} tokens ({chunks} chunks): memory {100 * memory:.1f}% "
+                         f"(goal >= {100 * needed:.0f}%), where the last place is wrong {not_last_text} (goal within "
+                         f"5 points), no memory {100 * no_memory:.1f}% (goal within 10 points of {100 * chance:.1f}%): "
                          f"{'met' if met else 'NOT met'}")
     return lines

@@ -147,20 +147,22 @@ def evaluate_lm(
 
 
 def plot_loss_per_chunk(results: dict[str, Any], path: str | os.PathLike) -> Path:
-    """Loss against chunk position, one line with the memory and one without."""
+    """Loss against chunk position (numbered from 1, whole-number ticks), one line with the memory and one without."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     figure, axis = plt.subplots(figsize=(6, 3.5))
     labels = {"memory": "with memory", "no_memory": "memory off (same weights)"}
     for mode in ("memory", "no_memory"):
         if mode in results:
             losses = results[mode]["loss"]
-            points = [(index, loss) for index, loss in enumerate(losses) if loss is not None]
+            points = [(index + 1, loss) for index, loss in enumerate(losses) if loss is not None]
             axis.plot([i for i, _ in points], [loss for _, loss in points], marker="o", label=labels[mode])
-    axis.set_xlabel(f"chunk index (chunks of {results['chunk_size']} tokens)")
+    axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axis.set_xlabel(f"chunk (1 = the first; chunks of {results['chunk_size']} tokens)")
     axis.set_ylabel("loss per token (cross-entropy)")
     axis.set_title("Loss per chunk position")
     axis.legend()

@@ -6,7 +6,7 @@ import argparse
 import logging
 
 from titans_hf.demo import goal_report, run_demo
-from titans_hf.evaluation import format_results_table
+from titans_hf.evaluation import format_distance_table, format_results_table
 from titans_hf.tasks.babilong import GENERATED_TASKS
 
 
@@ -22,16 +22,20 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--output-dir", default="outputs/demo")
     parser.add_argument("--task", default="qa1", choices=GENERATED_TASKS)
     parser.add_argument("--chunk-size", type=int, default=32, help="attention segment in tokens")
-    parser.add_argument("--train-chunks", type=int, nargs="+", default=[0, 3, 4],
+    parser.add_argument("--train-chunks", type=int, nargs="+", default=[0, 4, 8, 16],
                         help="input lengths trained on, in chunks (0 = bare stories)")
-    parser.add_argument("--eval-chunks", type=int, nargs="+", default=[4, 8, 16, 32],
+    parser.add_argument("--eval-chunks", type=int, nargs="+", default=[4, 32, 256],
                         help="input lengths evaluated, in chunks")
     parser.add_argument("--pretrain-steps", type=int, default=800, help="stage a: steps of the stand-in base")
     parser.add_argument("--entity-share", type=float, default=0.5,
                         help="stage a: share of the pretraining sentences about the story's people and places")
     parser.add_argument("--num-train-samples", type=int, default=1000, help="rows per training length")
     parser.add_argument("--num-eval-samples", type=int, default=200, help="rows per evaluation length")
-    parser.add_argument("--epochs", type=int, default=14, help="the first on one-chunk rows, the rest on all")
+    parser.add_argument("--epochs", type=int, default=11,
+                        help="the first on one-chunk rows, then one trained length more each epoch")
+    parser.add_argument("--curriculum", default="staged", choices=["staged", "two-stage"],
+                        help="staged: each epoch after the first admits the rows of the next trained length; "
+                             "two-stage: the second epoch admits them all")
     parser.add_argument("--max-steps", type=int, default=-1, help="stop stage b after this many steps (-1: the epochs)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--learning-rate", type=float, default=3e-3)
@@ -65,6 +69,7 @@ def demo_command(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         learning_rate=args.learning_rate,
         max_steps=args.max_steps,
+        staged_curriculum=args.curriculum == "staged",
         memory_settings={key: value for key, value in overrides.items() if value is not None},
         seed=args.seed,
         threads=args.threads,
@@ -91,11 +96,13 @@ def demo_command(args: argparse.Namespace) -> int:
     print(f"\nBABILong {info['task']}, input lengths in tokens (chunks of {info['chunk_size']}; trained up to "
           f"{max(info['train_lengths'])} tokens), accuracy in %:")
     print(format_results_table(demo["results"]))
+    print(f"\nby distance from the supporting fact to the question:\n{format_distance_table(demo['results'])}")
     print("\nGoal:")
-    print("\n".join(goal_report(demo["results"], max(info["train_lengths"]), info["chunk_size"])))
+    print("\n".join(goal_report(demo["results"], info["chunk_size"])))
     print(f"\ntotal {timings['total_s']:.0f}s")
     paths = demo["paths"]
-    print(f"results:     {paths['results']}\nheatmap:     {paths['heatmap']}\nloss curve:  {paths['loss_curve']}\n"
+    print(f"results:     {paths['results']}\nheatmap:     {paths['heatmap']}\nby distance: {paths['distance_plot']}\n"
+          f"loss curve:  {paths['loss_curve']}\n"
           f"memory:      {paths['memory']}  (titans-hf push {paths['memory']} YOUR_NAME/REPO)")
     if paths["base"] is not None:
         print(f"base model:  {paths['base']}  (the stand-in Qwen3 pretrained here, with its tokenizer)")
