@@ -8,8 +8,8 @@ Each measurement runs in a process of its own, so its peak resident memory is it
   wrong, accuracy by distance, prompt tokens/s and peak memory;
 * ``stream`` at every ``--stream-tokens`` (default 32768, 131072 and 1048576): one QA1 row of that many input
   tokens, the whole prompt prefilled chunk by chunk into the memory's cache by ``model.generate`` (greedy, 3 new
-  tokens), its answer against the target, tokens/s and peak memory (flat: the cache holds the memory state and at
-  most two chunks of keys and values).
+  tokens), its answer against the target, tokens/s, the process's peak memory and how far `generate` took it above
+  what it held before (flat: the cache holds the memory state and at most two chunks of keys and values).
 
     python scripts/bench_length.py --model outputs/demo/memory --json bench_results/length.json
     python scripts/bench_length.py --model outputs/demo/memory --chunks 1024 --stream-tokens 32768   # quicker
@@ -32,6 +32,14 @@ sys.path.insert(0, str(REPO))
 def peak_memory_mb() -> float:
     """This process's peak resident memory (Linux reports kilobytes)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def resident_memory_mb() -> float:
+    """This process's resident memory now (Linux: VmRSS in /proc/self/status)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def run_eval(args: argparse.Namespace, chunks: int) -> dict:
@@ -66,7 +74,9 @@ def run_stream(args: argparse.Namespace, tokens: int) -> dict:
     model, tokenizer = load_model_for_eval(args.model, args.memory)
     model.eval()
     row = generate_babilong("qa1", 1, tokens, tokenizer, seed=args.seed)[0]
-    prompt = torch.tensor([_prompt_ids(row, tokenizer)])
+    prompt, target = torch.tensor([_prompt_ids(row, tokenizer)]), row["target"]
+    del row
+    before = resident_memory_mb()  # the model, the prompt and what building the row left behind
     started = time.perf_counter()
     with torch.no_grad():
         output = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
@@ -75,9 +85,10 @@ def run_stream(args: argparse.Namespace, tokens: int) -> dict:
     answer = tokenizer.decode(output[0, prompt.shape[1]:], skip_special_tokens=True)
     return {
         "case": "stream", "tokens": prompt.shape[1], "chunks": -(-prompt.shape[1] // model.config.memory_config.chunk_size),
-        "answer": answer.strip(), "target": row["target"], "right": answer.strip().split()[:1] == [row["target"]],
+        "answer": answer.strip(), "target": target, "right": answer.strip().split()[:1] == [target],
         "seconds": round(seconds, 1), "tokens_per_s": round(prompt.shape[1] / seconds),
-        "peak_memory_mb": round(peak_memory_mb()),
+        "peak_memory_mb": round(peak_memory_mb()), "memory_before_generate_mb": round(before),
+        "generate_peak_above_mb": round(max(0.0, peak_memory_mb() - before)),
     }
 
 
@@ -122,7 +133,8 @@ def main() -> int:
         print(json.dumps(measurements[-1]), flush=True)
 
     print("\nQA1 exact match (%), with the memory; tokens/s and peak resident memory of the process")
-    print(f"{'case':<8} {'chunks':>7} {'tokens':>9} {'result':>26} {'tokens/s':>9} {'peak MB':>8}")
+    print(f"{'case':<8} {'chunks':>7} {'tokens':>9} {'result':>26} {'tokens/s':>9} {'peak MB':>8} "
+          f"{'generate above MB':>18}")
     for m in measurements:
         if m["case"] == "eval":
             off = "" if m["no_memory"] is None else f", off {100 * m['no_memory']:.1f}"
@@ -130,7 +142,7 @@ def main() -> int:
         else:
             result = f"{m['answer'] or '-'} ({'right' if m['right'] else 'wrong'}; {m['target']})"
         print(f"{m['case']:<8} {m['chunks']:>7} {m['tokens']:>9} {result:>26} {m['tokens_per_s']:>9} "
-              f"{m['peak_memory_mb']:>8}")
+              f"{m['peak_memory_mb']:>8} {m.get('generate_peak_above_mb', '-'):>18}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"model": args.model, "measurements": measurements}, indent=2) + "\n")

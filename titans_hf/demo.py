@@ -255,7 +255,7 @@ def plot_loss_curve(log_history: list[dict[str, Any]], path: str | Path, steps_p
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FormatStrFormatter, ScalarFormatter
+    from matplotlib.ticker import FixedLocator, FormatStrFormatter, NullFormatter
 
     points = [(entry["step"], entry["loss"]) for entry in log_history if "loss" in entry and "step" in entry]
     if not points:
@@ -263,15 +263,16 @@ def plot_loss_curve(log_history: list[dict[str, Any]], path: str | Path, steps_p
     figure, axis = plt.subplots(figsize=(6, 3.5))
     axis.plot([s for s, _ in points], [loss for _, loss in points], marker=".", linewidth=1)
     axis.set_yscale("log")
-    axis.yaxis.set_major_formatter(ScalarFormatter())  # 0.1, 1 rather than 10^-1, 10^0
-    axis.yaxis.set_minor_formatter(FormatStrFormatter("%.2g"))
+    axis.yaxis.set_major_locator(FixedLocator([0.05, 0.1, 0.2, 0.5, 1, 2, 5]))
+    axis.yaxis.set_major_formatter(FormatStrFormatter("%g"))  # 0.1, 1 rather than 10^-1, 10^0
+    axis.yaxis.set_minor_formatter(NullFormatter())
     axis.set_xlabel("optimizer step")
     axis.set_ylabel("answer loss (cross-entropy)")
     axis.axhline(math.log(len(LOCATIONS)), color="grey", linestyle=":", label="chance among the 6 places")
     for stage, chunks in enumerate(stage_chunks[1:], start=1):
         axis.axvline(stage * steps_per_epoch, color="tab:orange", linestyle="--", linewidth=1)
-        axis.text(stage * steps_per_epoch, axis.get_ylim()[1], f" rows of up to {chunks} chunks", va="top", fontsize=8,
-                  color="tab:orange")
+        axis.text(stage * steps_per_epoch, axis.get_ylim()[1], f" rows of up to {chunks} chunks", va="top", ha="right",
+                  rotation=90, fontsize=7, color="tab:orange")
     axis.legend(loc="lower left", fontsize=8)
     axis.set_title("BABILong with Titans memory on a frozen base: training loss")
     atomic_write(path, lambda temporary: figure.savefig(temporary, format="png", dpi=120, bbox_inches="tight"))
@@ -414,6 +415,8 @@ def run_demo(
         "eval_lengths": eval_lengths,
         "num_train_rows": len(trainer.train_dataset),
         "curriculum_chunks": stages,
+        "training_loss": [[entry["step"], entry["loss"]] for entry in trainer.state.log_history
+                          if "loss" in entry and "step" in entry],
         "steps": trainer.state.global_step,
         "epochs": epochs,
         "batch_size": batch_size,
