@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from titans_hf.commands import main
 from titans_hf.data import prepare as prepare_module
 from titans_hf.data.prepare import prepare
-from titans_hf.data.stores import open_store
+from titans_hf.data.stores import open_store, tokenizer_fingerprint
 
 STORY = "Mary went to the kitchen.\nJohn moved to the office.\n\nThe old clock on the tower struck noon.\n"
 OTHER = "Ships waited in the harbour for the tide."
@@ -54,6 +54,7 @@ def test_txt_documents_end_with_eos_and_match_the_tokenizer(tmp_path, tiny_token
         assert store.metadata == {
             "train_type": "seq", "tokenizer": str(tiny_tokenizer_dir), "vocab_size": len(tokenizer),
             "eos_token_id": eos, "pad_token_id": tokenizer.pad_token_id,
+            "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
         }
     assert [digest(first), digest(second)] == before
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["a.txt", "b.txt", output_name])  # no temp leftovers

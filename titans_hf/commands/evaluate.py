@@ -77,6 +77,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else None,
                         help="e.g. cuda or cpu (default: cuda when there is one)")
     parser.add_argument("--output", required=True, help="folder for results.json, heatmap.png, predictions.jsonl")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the outputs of an earlier titans-hf eval in --output (never files it did not "
+                        "write); without it existing outputs are kept and the command stops before any work")
     parser.set_defaults(func=eval_command)
 
 
@@ -99,7 +102,7 @@ def eval_command(args: argparse.Namespace) -> int:
             read_haystack_sentences(args.haystack)  # missing or unreadable text fails before the model loads
     else:
         data = babilong_files_by_task_length(args.data, args.tasks, args.lengths)
-    prepare_output_dir(args.output, OUTPUT_NAMES)
+    prepare_output_dir(args.output, OUTPUT_NAMES, overwrite=args.overwrite)
     model, tokenizer = load_model_for_eval(args.model, args.memory, args.tokenizer, args.dtype, args.device)
     if args.generate:
         data = {
@@ -122,7 +125,7 @@ def lm_eval_command(args: argparse.Namespace) -> int:
         raise ValueError("titans-hf eval --lm needs --data naming token stores")
     if args.window_size is None:
         raise ValueError("titans-hf eval --lm needs --window-size (tokens per window)")
-    prepare_output_dir(args.output, LM_OUTPUT_NAMES)
+    prepare_output_dir(args.output, LM_OUTPUT_NAMES, overwrite=args.overwrite)
     model, _ = load_model_for_eval(args.model, args.memory, args.tokenizer, args.dtype, args.device)
     windows = datasets.load_dataset(
         "titans_tokens", data_files=store_data_files(args.data), train_type=args.train_type, window_size=args.window_size,

@@ -6,10 +6,14 @@
 `data_files` name `.h5` stores or any file of a bin store (`meta.json`, `<key>.bin`); each store is
 read lazily and its examples (see `TokenExamples`) are written to the Arrow cache in window
 ranges, which are the shards `num_proc` and streaming split the work over. The cache key holds
-every config value, beyond the data files' own mtimes the size and mtime of every file of each
-store (touching a `.bin` beside a listed `meta.json` rebuilds too), and each store's metadata and
-per-key content checksums (`store_contents`), so a store replaced by one of the same sizes and
-mtimes rebuilds as well. `vocab_size` (the model's) refuses stores holding larger ids up front.
+every config value, beyond the data files' own mtimes the size, mtime, ctime and inode of every file
+of each store (touching a `.bin` beside a listed `meta.json` rebuilds too), and each store's metadata
+and per-key content checksums (`store_contents`), so a store replaced by one of the same sizes and
+mtimes rebuilds as well. A file edited in place with its size and mtime set back still gets a new
+ctime, which no user can set: the cache key changes, and the build, which reads every token anyway,
+first hashes each store and compares the sha256 recorded at prepare (`verify_checksums`), so edited
+data is refused, naming the file. That is the cheapest correct option: a cache hit costs a stat per
+file, never a full read. `vocab_size` (the model's) refuses stores holding larger ids up front.
 
 `data_files` (or `data_dir`) must be given: `datasets` would otherwise hand the builder whatever files lie
 in the working directory; `titans_hf.data` refuses such a call before it resolves any file.
@@ -77,12 +81,14 @@ def store_roots(files: Iterable[str | Path]) -> list[Path]:
     return roots
 
 
-def store_fingerprint(roots: Iterable[Path]) -> list[tuple[str, int, int]]:
-    """Size and mtime of every file of each store: a change to any of them must rebuild the cache."""
+def store_fingerprint(roots: Iterable[Path]) -> list[tuple[str, int, int, int, int]]:
+    """Size, mtime, ctime and inode of every file of each store: a change to any of them must rebuild the cache
+    (an in-place edit that sets the mtime back still moves the ctime)."""
     files: list[Path] = []
     for root in roots:
         files += sorted(entry for entry in root.iterdir() if entry.is_file()) if root.is_dir() else [root]
-    return [(str(file), file.stat().st_size, file.stat().st_mtime_ns) for file in files]
+    stats = [(file, file.stat()) for file in files]
+    return [(str(file), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino) for file, stat in stats]
 
 
 def store_contents(roots: Iterable[Path]) -> list[tuple[str, dict[str, Any], dict[str, tuple[str, str]]]]:
@@ -188,6 +194,7 @@ class TitansTokens(datasets.ArrowBasedBuilder):
             ranges: list[tuple[str, int, int]] = []
             for root in store_roots(files):
                 with open_store(root) as store:
+                    store.verify_checksums()
                     count = len(self._examples(store))
                 step = math.ceil(count / RANGES_PER_STORE)
                 ranges += [(str(root), start, min(start + step, count)) for start in range(0, count, step)]
