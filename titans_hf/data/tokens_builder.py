@@ -21,6 +21,7 @@ in the working directory; `titans_hf.data` refuses such a call before it resolve
 
 from __future__ import annotations
 
+import glob
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ import numpy as np
 import pyarrow as pa
 from datasets.builder import Key
 
-from titans_hf.data.stores import META_FILE, detect_format, open_store
+from titans_hf.data.stores import META_FILE, check_store_tokenizer, detect_format, open_store
 from titans_hf.data.windows import TRAIN_TYPE_KEYS, TokenExamples
 
 # Each store is cut into this many window ranges: enough shards for any sensible num_proc.
@@ -61,11 +62,35 @@ FEATURES: dict[str, datasets.Features] = {
 }
 
 
-def store_data_files(paths: Iterable[str | Path]) -> list[str]:
+def store_data_files(paths: Iterable[str | Path], flag: str = "data_files") -> list[str]:
     """`data_files` for the builder from what users name: a bin store folder stands for its `meta.json` (datasets
-    resolves files and patterns, not folders); files and patterns pass through."""
-    return [str(Path(path) / META_FILE) if Path(path).is_dir() and (Path(path) / META_FILE).is_file() else str(path)
-            for path in paths]
+    resolves files and patterns, not folders); a glob pattern stands for the files it matches, in sorted order.
+    A path that does not exist, or a pattern that matches nothing, is an error naming `flag` and the path."""
+    files: list[str] = []
+    for path in map(Path, paths):
+        if path.is_dir() and (path / META_FILE).is_file():
+            files.append(str(path / META_FILE))
+        elif path.exists():
+            files.append(str(path))
+        elif glob.has_magic(str(path)):
+            matches = sorted(glob.glob(str(path), recursive=True))
+            if not matches:
+                raise FileNotFoundError(f"{flag} {path}: the pattern matches no file")
+            files += matches
+        else:
+            raise FileNotFoundError(f"{flag} {path}: no such store (an .h5 file, a bin store folder or one of its "
+                                    "files)")
+    if not files:
+        raise ValueError(f"{flag}: no token store named")
+    return files
+
+
+def check_stores_tokenizer(files: Iterable[str | Path], tokenizer: Any, what: str) -> None:
+    """Refuse any store among `files` that was prepared with another tokenizer than `tokenizer` (see
+    `check_store_tokenizer`), before any row is built; `what` names the tokenizer in the message."""
+    for root in store_roots(files):
+        with open_store(root) as store:
+            check_store_tokenizer(store, tokenizer, what)
 
 
 def store_roots(files: Iterable[str | Path]) -> list[Path]:
