@@ -133,3 +133,47 @@ def test_json_outputs_hold_null_where_a_number_is_not_finite(tmp_path):
     path = atomic_write_json(tmp_path / "lm_results.json", {"loss": [1.5, math.nan], "ratio": math.inf})
     assert json.loads(path.read_text(), parse_constant=lambda name: pytest.fail(f"bare {name}")) == {
         "loss": [1.5, None], "ratio": None}
+
+
+def test_a_full_disk_during_a_bin_prepare_says_so_and_leaves_no_partial_store(tmp_path, tiny_tokenizer_dir,
+                                                                               monkeypatch):
+    from titans_hf.data import stores
+    from titans_hf.data.prepare import prepare
+
+    source = tmp_path / "docs.txt"
+    source.write_text("John went to the garden.\n" * 50)
+    before = checksums(tmp_path)
+
+    def full_disk(self, key, values):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(stores.MmapStoreWriter, "_write", full_disk)
+    with pytest.raises(OSError, match=r"prepare .*corpus_bin: the disk is full \(or over quota\)"):
+        prepare(source, tmp_path / "corpus_bin", tiny_tokenizer_dir)
+    assert checksums(tmp_path) == before and sorted(path.name for path in tmp_path.iterdir()) == ["docs.txt"]
+    with pytest.raises(FileNotFoundError, match=r"tokenizer \(--tokenizer\) .*missing: no such file or folder"):
+        prepare(source, tmp_path / "corpus_bin", tmp_path / "missing")
+
+
+def test_rows_of_another_task_are_refused_and_a_wrong_length_label_warns(tmp_path, tiny_qwen3_dir):
+    from transformers import AutoTokenizer
+
+    from titans_hf.evaluation import evaluate_babilong
+    from titans_hf.modeling import TitansQwenForCausalLM
+    from titans_hf.tasks.babilong import generate_babilong, write_babilong_json
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    model = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, chunk_size=64, memory_head_dim=16, memory_chunk_size=8)
+    qa1_rows = generate_babilong("qa1", 2, 0, tokenizer, seed=1)
+    labelled_qa6 = write_babilong_json(qa1_rows, tmp_path / "qa6" / "0k.json")  # qa1 rows in a file labelled qa6
+    before = checksums(tmp_path)
+    with pytest.raises(ValueError, match=r"qa6/0k\.json: scored as task 'qa6' .*are not among qa6's labels "
+                       r"\['no', 'yes'\]"):
+        evaluate_babilong(model, tokenizer, {("qa6", "0k"): labelled_qa6}, max_new_tokens=1, ablation=False,
+                          show_progress=False)
+    labelled_1k = write_babilong_json(qa1_rows, tmp_path / "qa1" / "1k.json")  # far shorter than 1k tokens
+    with pytest.warns(UserWarning, match=r"qa1/1k\.json: reported as task 'qa1' length '1k' \(1024 tokens\), but its "
+                      r"prompts measure \d+-\d+ tokens"):
+        evaluate_babilong(model, tokenizer, {("qa1", "1k"): labelled_1k}, max_new_tokens=1, ablation=False,
+                          show_progress=False)
+    assert {name: digest for name, digest in checksums(tmp_path).items() if name in before} == before

@@ -3,7 +3,9 @@
 A memory folder (or Hub repository) holds exactly
 
 - `memory_config.json`: a :class:`TitansMemoryConfig`, every memory setting plus the base model it belongs to
-  (Hub id, revision, shape) and the titans_hf version that wrote it;
+  (Hub id and revision, or a local folder's absolute path and `base_fingerprint`; its shape) and the titans_hf
+  version that wrote it. A local base loads from that folder only while the fingerprint still matches, so a
+  memory never runs on another model of the same shape without a word (`recorded_base`);
 - `memory_model.safetensors`: the memory's weights, nothing of the base;
 - `README.md` on the Hub: a model card rendered from `hub_cards/memory_model_card.md`.
 

@@ -52,7 +52,7 @@ from titans_hf.data.stores import (
     tokenizer_fingerprint,
 )
 from titans_hf.data.windows import TRAIN_TYPE_KEYS
-from titans_hf.utils import disk_full_message, replace_outputs
+from titans_hf.utils import check_tokenizer_argument, disk_full_message, replace_outputs
 
 RECORD_FIELDS: dict[str, tuple[str, ...]] = {
     "seq": ("text",),
@@ -615,6 +615,7 @@ def prepare(
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if shard_tokens is not None and (not isinstance(shard_tokens, int) or shard_tokens < 1):
         raise ValueError(f"shard_tokens must be a positive integer or None, got {shard_tokens!r}")
+    check_tokenizer_argument(tokenizer, "tokenizer (--tokenizer)")
     output = Path(output)
     paths = _input_paths(inputs)
     if paths is not None:

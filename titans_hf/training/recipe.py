@@ -38,6 +38,7 @@ from titans_hf.data.tokens_builder import check_stores_tokenizer, store_data_fil
 from titans_hf.hub import TitansMemoryConfig
 from titans_hf.modeling import TitansQwenForCausalLM
 from titans_hf.tasks.babilong import find_babilong_sources
+from titans_hf.utils import check_tokenizer_argument
 
 from .trainer import TitansTrainer, answer_exact_match
 from .training_args import TitansTrainingArguments
@@ -260,7 +261,10 @@ def train_memory(
     callbacks: list[TrainerCallback] | None = None,
 ) -> TitansTrainer:
     """Build rows and model, train (resuming if asked), write the final memory into `output_dir`."""
+    check_tokenizer_argument(model_args.model_name_or_path, "--model_name_or_path")
     tokenizer_name = data_args.tokenizer_name_or_path or model_args.model_name_or_path
+    if data_args.tokenizer_name_or_path:
+        check_tokenizer_argument(data_args.tokenizer_name_or_path, "--tokenizer_name_or_path")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_name, trust_remote_code=False)
     # Rank 0 builds the Arrow cache; the other ranks then read it instead of racing to write it.
     with training_args.main_process_first(desc=f"building {data_args.dataset} rows"):
