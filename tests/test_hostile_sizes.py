@@ -19,7 +19,6 @@ import pytest
 from datasets import load_dataset
 from transformers import AutoTokenizer
 
-import titans_hf  # noqa: F401  (registers the builders)
 from titans_hf.data import prepare as prepare_module
 from titans_hf.data.prepare import prepare
 from titans_hf.data.stores import FORMAT_VERSION, H5Store, open_store
@@ -45,6 +44,7 @@ def test_an_h5_segment_declaring_2_to_the_34_tokens_is_refused_without_allocatin
     with pytest.raises(ValueError, match=r"huge\.h5:/sequence/0: declares 17179869184 values \(34359738368 bytes\) "
                        r"but stores 0 bytes"):
         H5Store(path)
+    assert checksums(path) == before
     # compressed: gzip expands at most ~1032x, so a few stored bytes cannot hold gigabytes
     with h5py.File(path, "a") as file:
         del file["sequence/0"]
@@ -70,6 +70,7 @@ def test_a_tiny_parquet_with_one_huge_row_is_refused_from_its_metadata(tmp_path,
     with pytest.raises(ValueError, match=r"qa1-00000-of-00001\.parquet: column 'input' of row group 0 holds "
                        r"\d+ bytes uncompressed for 1 row\(s\)"):
         read_babilong_file(path)
+    assert checksums(path) == before
     # one long row among many short ones passes the metadata check, and is refused by its length before tokenizing
     rows = ["a" * 100] * 99 + ["a" * (1 << 17)]
     pq.write_table(pa.table({"input": rows, "question": ["Where is Mary? "] * 100, "target": ["garden"] * 100}), path)
@@ -80,7 +81,6 @@ def test_a_tiny_parquet_with_one_huge_row_is_refused_from_its_metadata(tmp_path,
                              "target": pa.array([], pa.string())}), empty)
     with pytest.raises(ValueError, match=r"empty\.parquet holds no rows \(a parquet file of 0 rows\)"):
         read_babilong_file(empty)
-    assert checksums(path.parent)  # still readable files, untouched by the refusals above
 
 
 def test_prepare_refuses_a_single_huge_line_naming_file_and_line(tmp_path, tiny_tokenizer_dir, monkeypatch):

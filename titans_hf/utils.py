@@ -28,7 +28,14 @@ MANIFEST_NAME = ".titans_hf_outputs.json"
 
 
 def umask() -> int:
-    """The process's umask (read by setting it and putting it back: there is no other portable way)."""
+    """The process's umask: from /proc/self/status on Linux (reading it there changes nothing), else by setting
+    it and putting it back (the only portable way; another thread creating a file in that instant would get 022)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
     mask = os.umask(0o022)
     os.umask(mask)
     return mask

@@ -54,7 +54,11 @@ def generate_command(args: argparse.Namespace) -> int:
             "task": args.task, "length": args.length, "num_samples": args.num_samples, "seed": args.seed,
             "tokenizer": args.tokenizer, "haystack_files": args.haystack or [], "files": output.name,
         }
-        written.append(write_dataset_card(output, settings).name)
+        try:
+            written.append(write_dataset_card(output, settings).name)
+        except BaseException:  # no half of the outputs: the data file goes with the card that failed
+            output.unlink(missing_ok=True)
+            raise
     record_outputs(output.parent, written, "titans-hf babilong generate")
     print(output)
     return 0

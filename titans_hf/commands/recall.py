@@ -19,7 +19,6 @@ from typing import Any
 from titans_hf.tasks.recall import (
     DEFAULT_PEOPLE,
     DEFAULT_POOL_SIZE,
-    build_recall_eval_store,
     iter_recall_documents,
     people_pool,
     value_pool,

@@ -33,7 +33,6 @@ import functools
 import json
 import math
 import multiprocessing
-import os
 import re
 from multiprocessing.pool import ThreadPool
 from pathlib import Path

@@ -241,6 +241,8 @@ class TitansTrainer(Trainer):
             self._check_resume(Path(resume_from_checkpoint))
             self._warn_about_changed_arguments(Path(resume_from_checkpoint))
         lock = self._lock_output_dir()
+        if not resume_from_checkpoint and self.args.save_strategy != "no":
+            self._refuse_earlier_checkpoints(lock)
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
@@ -271,6 +273,18 @@ class TitansTrainer(Trainer):
         handle.write(f"process {os.getpid()}\n")
         handle.flush()
         return handle
+
+    def _refuse_earlier_checkpoints(self, lock: Any) -> None:
+        """A fresh run would replace the checkpoint-N folders of an earlier run in output_dir as it reaches each
+        step: refuse it, naming them, unless it resumes (every rank checks; the lock is released on refusal)."""
+        earlier = sorted(path.name for path in Path(self.args.output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*")
+                         if path.is_dir())
+        if earlier:
+            if lock is not None:
+                lock.close()
+            raise ValueError(f"output_dir {self.args.output_dir} holds checkpoints of an earlier run ({', '.join(earlier[:3])}"
+                             f"{', ...' if len(earlier) > 3 else ''}), which this fresh run would replace: resume it "
+                             "(resume_from_checkpoint, --resume_from_checkpoint last) or choose another output_dir")
 
     def _check_resume(self, checkpoint: Path) -> None:
         """Refuse a resume that would silently be another run, naming the file or setting: a missing optimizer
