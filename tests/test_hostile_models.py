@@ -108,6 +108,18 @@ def test_a_config_declaring_a_huge_memory_is_refused_before_allocating(local_bas
     assert set(checksums(memory)) == set(before)
 
 
+def test_a_full_model_whose_config_declares_a_huge_memory_is_refused_naming_it(local_base, tmp_path):
+    model = TitansQwenForCausalLM.from_base(local_base, chunk_size=16, memory_head_dim=16, memory_chunk_size=8)
+    model.save_pretrained(tmp_path / "full", save_full_model=True)
+    config = json.loads((tmp_path / "full" / "config.json").read_text())
+    config["memory_config"]["memory_head_dim"] = 2**20
+    (tmp_path / "full" / "config.json").write_text(json.dumps(config))
+    before = checksums(tmp_path / "full")
+    with pytest.raises(ValueError, match=r"full: memory\..* the memory config makes it torch\.float32"):
+        TitansQwenForCausalLM.from_pretrained(tmp_path / "full")
+    assert checksums(tmp_path / "full") == before
+
+
 def test_a_pickle_only_model_folder_is_refused_naming_it(local_base, tmp_path):
     folder = tmp_path / "pickled"
     folder.mkdir()

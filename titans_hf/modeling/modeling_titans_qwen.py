@@ -347,6 +347,16 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         if not args and is_memory(pretrained_model_name_or_path, revision=kwargs.get("revision"), **hub):
             return cls.from_base_and_memory(None, pretrained_model_name_or_path, **kwargs)
         check_safetensors_folder(pretrained_model_name_or_path, "from_pretrained: the model folder")
+        folder = Path(pretrained_model_name_or_path)
+        if folder.is_dir() and any(folder.glob("*.safetensors")):
+            # a full model folder: its memory's shapes against its config before anything is built (a config that
+            # declares a huge memory is named here, not in the loader's size-mismatch report)
+            config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+            if isinstance(config, TitansQwenConfig):
+                header = {name: entry for path in sorted(folder.glob("*.safetensors"))
+                          for name, entry in read_safetensors_header(path).items()
+                          if not name.startswith(BASE_PREFIXES)}
+                cls.check_memory_weights(config.memory_config, header, str(folder), check_dtype=False)
         # loading swaps in new Parameter objects, which forget the freeze applied in __init__
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         model._apply_freeze_base()
@@ -380,10 +390,11 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
 
     @staticmethod
     def check_memory_weights(config: TitansMemoryConfig, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                             source: str) -> None:
-        """Refuse weights that are not exactly the memory `config` describes: every name, shape and dtype (given as
-        {name: (shape, dtype)}, e.g. read from a safetensors header) against a memory built from the config on the
-        meta device. A ValueError naming `source` and the first difference."""
+                             source: str, check_dtype: bool = True) -> None:
+        """Refuse weights that are not exactly the memory `config` describes: every name, shape and (unless not
+        `check_dtype`: a full model may be saved in any dtype) dtype, given as {name: (shape, dtype)}, e.g. read
+        from a safetensors header, against a memory built from the config on the meta device. A ValueError naming
+        `source` and the first difference."""
         if config.base_shape is None:
             raise ValueError(f"{source}: the memory config records no base_shape, so its weights cannot be checked")
         shape = config.base_shape
@@ -399,7 +410,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
             raise ValueError(f"{source}: not the weights of this memory config (missing {missing[:5]}, unexpected "
                              f"{unexpected[:5]})")
         for name, param in expected.items():
-            if tuple(tensors[name][0]) != tuple(param.shape) or tensors[name][1] != param.dtype:
+            if tuple(tensors[name][0]) != tuple(param.shape) or (check_dtype and tensors[name][1] != param.dtype):
                 raise ValueError(f"{source}: {name} is {tensors[name][1]} {tuple(tensors[name][0])}, the memory "
                                  f"config makes it {param.dtype} {tuple(param.shape)}")
 
