@@ -144,6 +144,9 @@ def test_forward_names_ids_outside_the_vocabulary_and_float_ids(local_base):
 
 def test_eval_checks_device_and_counts_before_loading_anything(tmp_path):
     argv = ["eval", "--model", str(tmp_path / "no_model"), "--generate", "--lengths", "0", "--output", str(tmp_path)]
+    with pytest.raises(FileNotFoundError, match=r"--model .*no_model: no such file or folder"):
+        cli_main(argv)
+    argv[2] = str(tmp_path)  # a folder that exists: the checks below come before it is read
     with pytest.raises(ValueError, match=r"--max-windows -1: must be at least 1"):
         cli_main([*argv, "--max-windows", "-1"])
     with pytest.raises(ValueError, match=r"--batch-size 0: must be at least 1"):

@@ -168,3 +168,14 @@ def test_a_bin_edited_in_place_with_size_and_mtime_kept_is_not_served_from_the_c
     with pytest.raises(ValueError, match=r"corpus_bin/sequence\.bin: its data does not match the sha256 recorded"):
         load()
     assert first  # the earlier build was real
+
+
+def test_builder_settings_of_the_wrong_type_are_named(tmp_path, tiny_tokenizer_dir):
+    source = tmp_path / "docs.txt"
+    source.write_text("John went to the garden.\n" * 8)
+    [store] = prepare(source, tmp_path / "corpus.h5", tiny_tokenizer_dir)
+    with pytest.raises(ValueError, match=r"titans_tokens: window_size='8' must be an integer or None \(got str\)"):
+        load_dataset("titans_tokens", data_files=str(store), window_size="8", cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match=r"titans_babilong: max_length='512' must be an integer \(got str\)"):
+        load_dataset("titans_babilong", data_files=str(source), tokenizer=str(tiny_tokenizer_dir), max_length="512",
+                     cache_dir=str(tmp_path / "cache"))

@@ -110,8 +110,9 @@ def _check_arguments(args: argparse.Namespace) -> None:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
     check_device(args.device)
-    if args.tokenizer is not None:
-        check_tokenizer_argument(args.tokenizer, "--tokenizer")
+    for flag, value in (("--model", args.model), ("--memory", args.memory), ("--tokenizer", args.tokenizer)):
+        if value is not None:
+            check_tokenizer_argument(value, flag)
 
 
 def eval_command(args: argparse.Namespace) -> int:

@@ -152,6 +152,14 @@ class TitansTokensConfig(datasets.BuilderConfig):
         super().__post_init__()
         if self.train_type not in TRAIN_TYPE_KEYS:
             raise ValueError(f"train_type must be one of {list(TRAIN_TYPE_KEYS)}, got {self.train_type!r}")
+        for name in ("window_size", "stride", "pad_token_id", "vocab_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"titans_tokens: {name}={value!r} must be an integer or None (got "
+                                 f"{type(value).__name__})")
+        for name in ("pad_tail", "respect_document_boundaries"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"titans_tokens: {name}={getattr(self, name)!r} must be true or false")
 
     def create_config_id(self, config_kwargs: dict, custom_features: datasets.Features | None = None) -> str:
         if self.data_files is not None:
