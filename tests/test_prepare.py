@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import datasets
@@ -221,14 +222,14 @@ def test_failed_overwrite_keeps_the_old_store(tmp_path, tiny_tokenizer_dir, monk
     output = tmp_path / "store_bin"
     prepare(tmp_path / "story.txt", output, tiny_tokenizer_dir)
     before = {path.name: path.read_bytes() for path in output.iterdir()}
-    real_replace = prepare_module.os.replace
+    real_replace = os.replace
 
     def replace_failing_on_the_new_store(src, dst):
         if Path(dst) == output and not Path(src).name.startswith(f".{output.name}.replaced-"):
             raise OSError("disk full")  # the new store cannot be put in place; putting the old one back works
         real_replace(src, dst)
 
-    monkeypatch.setattr(prepare_module.os, "replace", replace_failing_on_the_new_store)
+    monkeypatch.setattr(os, "replace", replace_failing_on_the_new_store)  # what utils.replace_outputs calls
     with pytest.raises(OSError, match="disk full"):
         prepare(tmp_path / "other.txt", output, tiny_tokenizer_dir, overwrite=True)
     monkeypatch.undo()

@@ -614,12 +614,12 @@ def prepare(
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if shard_tokens is not None and (not isinstance(shard_tokens, int) or shard_tokens < 1):
         raise ValueError(f"shard_tokens must be a positive integer or None, got {shard_tokens!r}")
-    check_tokenizer_argument(tokenizer, "tokenizer (--tokenizer)")
     output = Path(output)
     paths = _input_paths(inputs)
     if paths is not None:
         _check_input_files(paths, train_type)
     _checked_outputs(output, inputs, overwrite)
+    check_tokenizer_argument(tokenizer, "tokenizer (--tokenizer)")
     output.parent.mkdir(parents=True, exist_ok=True)
 
     tok = _load_tokenizer(tokenizer)

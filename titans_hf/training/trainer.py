@@ -314,7 +314,8 @@ class TitansTrainer(Trainer):
 
     def _check_global_step(self, checkpoint: Path) -> None:
         path = checkpoint / TRAINER_STATE_NAME
-        step = json.loads(path.read_text(encoding="utf-8")).get("global_step")
+        state = json.loads(path.read_text(encoding="utf-8"))
+        step = state.get("global_step") if isinstance(state, dict) else None
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"cannot resume from {checkpoint}: {path} records global_step {step!r}, not a step count")
         number = checkpoint.name.rsplit("-", 1)[-1]
