@@ -9,7 +9,8 @@
 #
 # Environment: OUT (default outputs/recall), RUN (the memory's folder below OUT, default memory), STAND_IN_STEPS,
 # NUM_TRAIN, NUM_EVAL, MAX_STEPS (smaller values for a quick try). Extra arguments go to titans-hf train. The base
-# and data are made once and reused while complete.
+# and data are made once and reused while complete; a RUN folder holding an earlier run's checkpoints is never
+# trained over (choose another RUN, or pass --resume_from_checkpoint last).
 set -euo pipefail
 started=$SECONDS
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh" test

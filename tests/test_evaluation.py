@@ -222,8 +222,8 @@ def test_results_json_heatmap_and_predictions_are_written(tiny_qwen3_dir, tmp_pa
 
     image = matplotlib.image.imread(tmp_path / "heatmap.png")
     assert image.ndim == 3 and image.shape[0] > 50 and image.shape[1] > 100
-    assert sorted(os.listdir(tmp_path)) == ["accuracy_by_distance.png", "heatmap.png", "predictions.jsonl",
-                                            "results.json"]  # no temp files left
+    assert sorted(os.listdir(tmp_path)) == [".titans_hf_outputs.json", "accuracy_by_distance.png", "heatmap.png",
+                                            "predictions.jsonl", "results.json"]  # no temp files left
 
 
 def test_supporting_facts_are_found_by_replaying_the_story():
@@ -366,7 +366,8 @@ def test_eval_command_on_generated_rows_and_on_files(tiny_qwen3_dir, tmp_path, c
     assert (out / "predictions.jsonl").read_text().splitlines() == file_answers
 
     with pytest.raises(ValueError, match="without a memory"):
-        cli_main(["eval", "--model", str(tiny_qwen3_dir), "--generate", "--lengths", "72", "--output", str(out)])
+        cli_main(["eval", "--model", str(tiny_qwen3_dir), "--generate", "--lengths", "72", "--output", str(out),
+                  "--overwrite"])
     with pytest.raises(ValueError, match="needs --lengths"):
         cli_main(["eval", "--model", str(memory_dir), "--generate", "--output", str(out)])
 

@@ -70,6 +70,11 @@ def test_generate_refuses_to_overwrite_the_data_file_and_the_card(tmp_path, tiny
         cli_main([*argv(2, other), "--card"])
     assert not other.exists() and card.read_text() == "# my own card\n" and digest(output) == first
 
+    # even with --overwrite: the README.md is not one titans_hf wrote (its outputs manifest does not list it)
+    with pytest.raises(FileExistsError, match=r"README\.md: will not replace it, even with --overwrite"):
+        cli_main([*argv(2), "--card", "--overwrite"])
+    assert card.read_text() == "# my own card\n" and digest(output) == first
+    card.unlink()
     assert cli_main([*argv(2), "--card", "--overwrite"]) == 0
     assert json.loads(output.read_text()) == generate_babilong("qa1", 3, 0, tokenizer, seed=2)
     assert "--seed 2" in card.read_text()
@@ -130,8 +135,8 @@ def test_a_new_evaluation_never_leaves_an_old_results_json_beside_new_files(tiny
     with pytest.raises(RuntimeError, match="disk filled up"):
         evaluate_babilong(model, tokenizer, {("qa1", "0k"): ROWS[:2]}, max_new_tokens=1, output_dir=tmp_path,
                           show_progress=False)
-    assert not (tmp_path / "results.json").exists()  # the new predictions are not vouched for by the old results
-    assert len((tmp_path / "predictions.jsonl").read_text().splitlines()) == 2
+    # the old results do not vouch for new files, and no half of the new outputs stays behind
+    assert not any((tmp_path / name).exists() for name in ("results.json", "predictions.jsonl", "heatmap.png"))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 from test_hub import MEMORY_CONFIG, REPO_ID, _snapshot, hub, hub_token, memory_folder, memory_model  # noqa: F401
 
-from titans_hf.hub import push_memory_folder
+from titans_hf.hub import base_fingerprint, push_memory_folder
 from titans_hf.modeling import TitansQwenForCausalLM
 
 REMOTE_CODE = '''
@@ -97,6 +97,7 @@ def test_eval_of_a_memory_never_runs_code_from_its_base(tiny_qwen3_dir, tmp_path
     base = _base_with_remote_code(tiny_qwen3_dir, tmp_path / "base", marker, model_type="qwen3")
     model = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, chunk_size=16, memory_head_dim=16)
     model.config.memory_config.base_model_name_or_path = str(base)
+    model.config.memory_config.base_fingerprint = base_fingerprint(base)  # that base, as if trained on it
     model.save_pretrained(tmp_path / "memory")
     command = [sys.executable, "-m", "titans_hf.commands", "eval", "--model", str(tmp_path / "memory"), "--generate",
                "--lengths", "0", "--num-samples", "2", "--no-ablation", "--output", str(tmp_path / "eval")]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import datasets
@@ -14,7 +15,7 @@ from transformers import AutoTokenizer
 from titans_hf.commands import main
 from titans_hf.data import prepare as prepare_module
 from titans_hf.data.prepare import prepare
-from titans_hf.data.stores import open_store
+from titans_hf.data.stores import open_store, tokenizer_fingerprint
 
 STORY = "Mary went to the kitchen.\nJohn moved to the office.\n\nThe old clock on the tower struck noon.\n"
 OTHER = "Ships waited in the harbour for the tide."
@@ -54,6 +55,7 @@ def test_txt_documents_end_with_eos_and_match_the_tokenizer(tmp_path, tiny_token
         assert store.metadata == {
             "train_type": "seq", "tokenizer": str(tiny_tokenizer_dir), "vocab_size": len(tokenizer),
             "eos_token_id": eos, "pad_token_id": tokenizer.pad_token_id,
+            "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
         }
     assert [digest(first), digest(second)] == before
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["a.txt", "b.txt", output_name])  # no temp leftovers
@@ -220,14 +222,14 @@ def test_failed_overwrite_keeps_the_old_store(tmp_path, tiny_tokenizer_dir, monk
     output = tmp_path / "store_bin"
     prepare(tmp_path / "story.txt", output, tiny_tokenizer_dir)
     before = {path.name: path.read_bytes() for path in output.iterdir()}
-    real_replace = prepare_module.os.replace
+    real_replace = os.replace
 
     def replace_failing_on_the_new_store(src, dst):
         if Path(dst) == output and not Path(src).name.startswith(f".{output.name}.replaced-"):
             raise OSError("disk full")  # the new store cannot be put in place; putting the old one back works
         real_replace(src, dst)
 
-    monkeypatch.setattr(prepare_module.os, "replace", replace_failing_on_the_new_store)
+    monkeypatch.setattr(os, "replace", replace_failing_on_the_new_store)  # what utils.replace_outputs calls
     with pytest.raises(OSError, match="disk full"):
         prepare(tmp_path / "other.txt", output, tiny_tokenizer_dir, overwrite=True)
     monkeypatch.undo()

@@ -71,8 +71,11 @@ def test_recall_commands_refuse_to_replace_what_they_did_not_write(tmp_path, tin
     (folder / "notes.txt").write_text("keep")
     with pytest.raises(FileExistsError, match="mine exists"):
         cli_main(["recall", "stand-in", "--output-dir", str(folder), "--steps", "1"])
-    with pytest.raises(ValueError, match="not a model folder"):
+    (folder / "config.json").write_text("{}")  # a model folder's name proves nothing: only the tool's manifest does
+    with pytest.raises(FileExistsError, match="will not replace it, even with --overwrite: it holds no "
+                       r"\.titans_hf_outputs\.json"):
         cli_main(["recall", "stand-in", "--output-dir", str(folder), "--steps", "1", "--overwrite"])
+    (folder / "config.json").unlink()
     (folder / "eval_dependent").mkdir()
     (folder / "eval_dependent" / "notes.txt").write_text("keep")
     with pytest.raises(ValueError, match="eval_dependent: will not replace it"):

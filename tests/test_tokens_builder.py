@@ -167,7 +167,13 @@ def test_bad_arguments_and_inputs_name_the_problem(stores, tmp_path):
 
 def test_a_bin_store_folder_stands_for_its_meta_json(stores, tmp_path):
     h5, bin_dir = stores
-    assert store_data_files([bin_dir, h5, "stores/*.h5"]) == [str(bin_dir / "meta.json"), str(h5), "stores/*.h5"]
+    pattern = str(h5.parent / "*.h5")
+    assert store_data_files([bin_dir, h5, pattern]) == [str(bin_dir / "meta.json"), str(h5),
+                                                        *sorted(map(str, h5.parent.glob("*.h5")))]
+    with pytest.raises(FileNotFoundError, match=r"--data .*nothing\*\.h5: the pattern matches no file"):
+        store_data_files([str(tmp_path / "nothing*.h5")], "--data")
+    with pytest.raises(FileNotFoundError, match=r"--data .*absent\.h5: no such store"):
+        store_data_files([str(tmp_path / "absent.h5")], "--data")
     by_folder = load(store_data_files([bin_dir]), tmp_path / "a", window_size=16)
     assert by_folder["input_ids"] == load(str(bin_dir / "meta.json"), tmp_path / "b", window_size=16)["input_ids"]
     # with pad_tail the last, shorter window of each document is kept, padded: every document gives one or more

@@ -34,7 +34,7 @@ from transformers import (
     set_seed,
 )
 
-from titans_hf.evaluation import DISTANCE_PLOT_NAME, evaluate_babilong, load_model_for_eval
+from titans_hf.evaluation import DISTANCE_PLOT_NAME, OUTPUT_NAMES, evaluate_babilong, load_model_for_eval
 from titans_hf.local_models import build_qwen, build_tokenizer, mean_embedding_cosine, pretrain_causal_lm
 from titans_hf.tasks.babilong import (
     ACTORS,
@@ -56,7 +56,7 @@ from titans_hf.training.recipe import (
     ModelArguments,
     train_memory,
 )
-from titans_hf.utils import atomic_write, atomic_write_json, file_sha256
+from titans_hf.utils import atomic_write, atomic_write_json, file_sha256, prepare_output_dir
 
 logger = logging.getLogger(__name__)
 
@@ -316,8 +316,8 @@ def run_demo(
         raise ValueError("run_demo: train_chunks and eval_chunks must each name at least one length")
     if min(train_chunks) < 0 or min(eval_chunks) < 1:
         raise ValueError(f"run_demo: train_chunks {train_chunks} must be >= 0 and eval_chunks {eval_chunks} >= 1")
-    output = Path(output_dir)
-    output.mkdir(parents=True, exist_ok=True)
+    # the evaluation's outputs are checked now, not after the training (an earlier run's are replaced, a user's not)
+    output = prepare_output_dir(output_dir, OUTPUT_NAMES)
     base_dir, data_dir, memory_dir = output / BASE_DIR_NAME, output / DATA_DIR_NAME, output / MEMORY_DIR_NAME
     set_seed(seed)
     timings: dict[str, float] = {}

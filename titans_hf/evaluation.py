@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from titans_hf.tasks.babilong import (
     find_babilong_sources,
     last_location_baseline,
     last_mentioned_label,
+    length_tokens,
     read_babilong_file,
     read_babilong_files,
     score_exact_match,
@@ -35,9 +37,11 @@ from titans_hf.tasks.babilong import (
 from titans_hf.tasks.babilong.examples import PROMPT_TEMPLATE
 from titans_hf.utils import (
     atomic_write,
+    atomic_write_json,
     atomic_write_text,
     plain_backend_tokenizer,
     prepare_output_dir,
+    record_outputs,
     resolve_pad_token_id,
 )
 
@@ -91,6 +95,43 @@ def _resolve_rows(task: str, length: int | str, source) -> list[Mapping[str, str
         if missing:
             raise ValueError(f"evaluate_babilong: task {task!r} length {length!r} row {index} lacks {missing}")
     return items
+
+
+def _describe(source) -> str:
+    """A cell's source for messages: its file(s), or that the rows were given."""
+    if isinstance(source, (str, os.PathLike)):
+        return f"BABILong file {source}"
+    items = list(source)
+    if items and all(isinstance(item, (str, os.PathLike)) for item in items):
+        return f"BABILong files {', '.join(map(str, items))}"
+    return "the rows given"
+
+
+def _check_targets(task: str, length: int | str, rows: Sequence[Mapping[str, str]], source) -> None:
+    """Refuse rows whose targets lie outside the published label set of the task they are scored as (qa1 rows in
+    a file labelled qa6 would all be scored wrong against {yes, no}), naming the source."""
+    labels, labels_from = task_labels(task, rows)
+    if labels_from == LABELS_FROM_TARGETS:
+        return
+    outside = sorted({row["target"].strip().lower() for row in rows} - {label.lower() for label in labels})
+    if outside:
+        raise ValueError(f"{_describe(source)}: scored as task {task!r} (length {length!r}), but its targets "
+                         f"{outside[:5]} are not among {task}'s labels {labels}: the rows are of another task; label "
+                         "them with their own task (--tasks, or the file's place in the layout)")
+
+
+def _warn_about_length(task: str, length: int | str, prompts: Sequence[list[int]], source) -> None:
+    """Warn when the measured prompt lengths are far from the length label the cell is reported under (a `1k`
+    folder of 600-token rows), giving both."""
+    tokens = length_tokens(length)
+    if not tokens:
+        return
+    lengths = [len(prompt) for prompt in prompts]
+    mean = sum(lengths) / len(lengths)
+    if not 0.75 * tokens <= mean <= 1.5 * tokens:
+        warnings.warn(f"{_describe(source)}: reported as task {task!r} length {length!r} ({tokens} tokens), but its "
+                      f"prompts measure {min(lengths)}-{max(lengths)} tokens (mean {mean:.0f}) with this tokenizer; "
+                      "the length label does not describe these rows", stacklevel=3)
 
 
 def _prompt_ids(row: Mapping[str, str], tokenizer) -> list[int]:
@@ -363,7 +404,9 @@ def evaluate_babilong(
         raise ValueError("evaluate_babilong: data is empty; give rows or files per (task, length)")
     padding_multiple = _padding_multiple(model, mixed_length_batches)
     folder = None if output_dir is None else prepare_output_dir(output_dir, OUTPUT_NAMES)
-    cells = [(task, length, _resolve_rows(task, length, source)) for (task, length), source in data.items()]
+    cells = [(task, length, _resolve_rows(task, length, source), source) for (task, length), source in data.items()]
+    for task, length, rows, source in cells:
+        _check_targets(task, length, rows, source)
     generation_config = _generation_config(model, tokenizer, max_new_tokens)
     modes = ["memory", "no_memory"] if ablation else ["memory"]
     memory_config = getattr(getattr(model, "config", None), "memory_config", None)
@@ -373,12 +416,13 @@ def evaluate_babilong(
     prediction_lines: list[str] = []
     was_training = model.training
     model.eval()
-    total = sum(len(rows) for _, _, rows in cells) * len(modes)
+    total = sum(len(rows) for _, _, rows, _ in cells) * len(modes)
     try:
         with tqdm(total=total, desc="BABILong eval", unit="answer", disable=not show_progress) as progress:
-            for task, length, rows in cells:
+            for task, length, rows, source in cells:
                 labels, labels_from = task_labels(task, rows)
                 prompts = [_prompt_ids(row, tokenizer) for row in rows]
+                _warn_about_length(task, length, prompts, source)
                 batches = _batches(prompts, batch_size, padding_multiple)
                 answers: dict[str, list[str]] = {}
                 for mode in modes:
@@ -432,14 +476,22 @@ def evaluate_babilong(
     if folder is not None:
         # an older results.json would vouch for the new files until the new one lands: it goes first
         (folder / RESULTS_NAME).unlink(missing_ok=True)
-        atomic_write_text(folder / PREDICTIONS_NAME, "\n".join(prediction_lines) + "\n")
-        plot_heatmap(results, folder / HEATMAP_NAME)
-        if any("by_distance" in cell for per_length in results["details"].values() for cell in per_length.values()):
-            plot_accuracy_by_distance(results, folder / DISTANCE_PLOT_NAME)
-        else:
-            (folder / DISTANCE_PLOT_NAME).unlink(missing_ok=True)
-        # last: results.json present means the whole evaluation finished
-        atomic_write_text(folder / RESULTS_NAME, json.dumps(results, indent=2) + "\n")
+        written = [PREDICTIONS_NAME, HEATMAP_NAME, RESULTS_NAME]
+        try:
+            atomic_write_text(folder / PREDICTIONS_NAME, "\n".join(prediction_lines) + "\n")
+            plot_heatmap(results, folder / HEATMAP_NAME)
+            if any("by_distance" in cell for per_length in results["details"].values() for cell in per_length.values()):
+                plot_accuracy_by_distance(results, folder / DISTANCE_PLOT_NAME)
+                written.append(DISTANCE_PLOT_NAME)
+            else:  # an earlier evaluation's plot would not belong to these results
+                (folder / DISTANCE_PLOT_NAME).unlink(missing_ok=True)
+            # last: results.json present means the whole evaluation finished
+            atomic_write_json(folder / RESULTS_NAME, results)
+        except BaseException:  # no half of the outputs stays behind
+            for name in OUTPUT_NAMES:
+                (folder / name).unlink(missing_ok=True)
+            raise
+        record_outputs(folder, written, "titans-hf eval")
     return results
 
 

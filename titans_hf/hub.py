@@ -3,7 +3,9 @@
 A memory folder (or Hub repository) holds exactly
 
 - `memory_config.json`: a :class:`TitansMemoryConfig`, every memory setting plus the base model it belongs to
-  (Hub id, revision, shape) and the titans_hf version that wrote it;
+  (Hub id and revision, or a local folder's absolute path and `base_fingerprint`; its shape) and the titans_hf
+  version that wrote it. A local base loads from that folder only while the fingerprint still matches, so a
+  memory never runs on another model of the same shape without a word (`recorded_base`);
 - `memory_model.safetensors`: the memory's weights, nothing of the base;
 - `README.md` on the Hub: a model card rendered from `hub_cards/memory_model_card.md`.
 
@@ -15,10 +17,12 @@ chooses code to run or options for loading the base. This module knows nothing o
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import math
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +64,11 @@ MEMORY_WEIGHTS_NAME = "memory_model.safetensors"
 TRAINABLE_BASE_WEIGHTS_NAME = "trainable_base_model.safetensors"
 CARD_TEMPLATE_PATH = Path(__file__).parent / "hub_cards" / "memory_model_card.md"
 BASE_SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
+_REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,254}")
+# Weights titans_hf never loads (pickle can run code): a folder holding only these is refused, naming it.
+PICKLE_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# Blocks of each weight file that go into a base's fingerprint, besides its size and safetensors header.
+_FINGERPRINT_BLOCKS, _FINGERPRINT_BLOCK_BYTES = 16, 1 << 16
 _TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                  "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
                  "BOOL": torch.bool}
@@ -117,10 +126,11 @@ class TitansMemoryConfig:
     base_model_name_or_path: str | None = None
     revision: str | None = None
     base_shape: dict[str, Any] | None = None
+    base_fingerprint: str | None = None
     titans_hf_version: str = __version__
 
     BASE_FIELDS: ClassVar[tuple[str, ...]] = ("base_model_name_or_path", "revision", "base_shape",
-                                              "titans_hf_version")
+                                              "base_fingerprint", "titans_hf_version")
 
     def __post_init__(self) -> None:
         def integer(name: str, low: int, optional: bool = False) -> None:
@@ -140,9 +150,14 @@ class TitansMemoryConfig:
         for name in ("variant", "memory_model", "conv_init", "titans_hf_version"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a string")
-        for name in ("base_model_name_or_path", "revision"):
+        for name in ("base_model_name_or_path", "revision", "base_fingerprint"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a string or None")
+        if self.revision is not None and (not _REVISION.fullmatch(self.revision) or ".." in self.revision):
+            raise ValueError(f"revision={self.revision!r} is not a git revision (a branch, tag or commit: letters, "
+                             "digits and . _ - /, no '..')")
+        if self.base_fingerprint is not None and not re.fullmatch(r"[0-9a-f]{64}", self.base_fingerprint):
+            raise ValueError(f"base_fingerprint={self.base_fingerprint!r} must be 64 hex digits")
         for name in ("freeze_base", "checkpoint_chunks", "attend_previous_chunk"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
@@ -232,6 +247,65 @@ def read_memory_config(path: str | os.PathLike) -> TitansMemoryConfig:
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"{path}: not a JSON memory config ({error})") from error
     return TitansMemoryConfig.from_dict(values, source=str(path))
+
+
+# ---- local bases ----
+
+def check_safetensors_folder(folder: str | os.PathLike, what: str) -> None:
+    """Refuse a local model folder whose weights are pickle files only (pytorch_model.bin, *.pt, ...): titans_hf
+    reads weights from safetensors alone, and says so naming the folder instead of the loader's own error."""
+    folder = Path(folder)
+    if not folder.is_dir() or any(folder.glob("*.safetensors")):
+        return
+    pickled = sorted(path.name for path in folder.iterdir() if path.suffix in PICKLE_WEIGHT_SUFFIXES)
+    if pickled:
+        raise ValueError(f"{what} {folder}: holds weights only as pickle files {pickled[:3]}, which titans_hf never "
+                         "loads (they can run code); save the model with save_pretrained (safetensors) first")
+
+
+def base_fingerprint(folder: str | os.PathLike) -> str:
+    """sha256 that tells two local base folders apart: their config.json, and per safetensors file its name, size,
+    header and 16 blocks of 64 KiB spread over it (two trained models of one shape differ in every block; a full
+    hash of a 15 GB base would cost a minute at every load). Recorded at `from_base`, compared at load."""
+    folder = Path(folder)
+    digest = hashlib.sha256()
+    config = folder / "config.json"
+    digest.update(config.read_bytes() if config.is_file() else b"")
+    for path in sorted(folder.glob("*.safetensors")):
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as handle:
+            header = handle.read(8)
+            digest.update(header + handle.read(min(int.from_bytes(header, "little"), size) if len(header) == 8 else 0))
+            for index in range(_FINGERPRINT_BLOCKS):
+                handle.seek(size * index // _FINGERPRINT_BLOCKS)
+                digest.update(handle.read(_FINGERPRINT_BLOCK_BYTES))
+    return digest.hexdigest()
+
+
+def recorded_base(config: TitansMemoryConfig, source: str) -> str:
+    """The base a memory's config names, checked to be the same model wherever the memory is loaded from: a local
+    base is recorded by its absolute path, and must still be there with the fingerprint recorded (else another
+    model would be used silently); a relative path that exists here (recorded by an older version, or a Hub id
+    shadowed by a local folder) is refused, since it resolves to whatever folder lies at it from here."""
+    base = config.base_model_name_or_path
+    if not base:
+        raise ValueError(f"{source}: its memory config names no base model; pass the base explicitly")
+    path = Path(base)
+    if not path.is_absolute():
+        if path.exists():
+            raise ValueError(f"{source}: its memory config names the base {base!r}, a relative path that here resolves "
+                             f"to {path.resolve()}, which need not be the model it was trained on; pass the base "
+                             "explicitly (--model BASE --memory MEMORY, or from_base_and_memory(base, memory))")
+        return base
+    if not path.is_dir():
+        raise ValueError(f"{source}: its memory config names the local base {base}, which does not exist on this "
+                         "machine; pass the base explicitly")
+    if config.base_fingerprint is not None and base_fingerprint(path) != config.base_fingerprint:
+        raise ValueError(f"{source}: its memory config names the local base {base}, but the model there now is not the "
+                         "one the memory was trained on (base_fingerprint differs: other weights or config); pass the "
+                         "base explicitly if this is intended")
+    return base
 
 
 # ---- memory folders, local or on the Hub ----
@@ -334,14 +408,6 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, tuple[tuple[in
                     for name in weights.keys()}
     except (SafetensorError, OSError, ValueError, KeyError) as error:
         raise ValueError(f"{path}: not a readable safetensors file ({error})") from error
-
-
-def load_memory_folder(name_or_path: str | os.PathLike, revision: str | None = None, **hub_kwargs: Any
-                       ) -> tuple[TitansMemoryConfig, dict[str, Any]]:
-    """(config, memory weights) of a memory folder or Hub repository."""
-    config = TitansMemoryConfig.from_pretrained(name_or_path, revision=revision, **hub_kwargs)
-    weights_path = hub_file(name_or_path, MEMORY_WEIGHTS_NAME, revision=revision, **hub_kwargs)
-    return config, load_memory_weights(weights_path)
 
 
 def _contiguous(tensors: dict[str, Any]) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from titans_hf.utils import atomic_write, atomic_write_json, prepare_output_dir
+from titans_hf.utils import atomic_write, atomic_write_json, prepare_output_dir, record_outputs
 
 LM_RESULTS_NAME = "lm_results.json"
 LM_PLOT_NAME = "loss_per_chunk.png"
@@ -141,8 +141,15 @@ def evaluate_lm(
         }
     if output_dir is not None:
         folder = prepare_output_dir(output_dir, LM_OUTPUT_NAMES)
-        plot_loss_per_chunk(results, folder / LM_PLOT_NAME)
-        atomic_write_json(folder / LM_RESULTS_NAME, results)  # last: its presence means the evaluation finished
+        (folder / LM_RESULTS_NAME).unlink(missing_ok=True)  # an older one would vouch for the new plot
+        try:
+            plot_loss_per_chunk(results, folder / LM_PLOT_NAME)
+            # last: its presence means the evaluation finished; a loss that is not finite is written as null
+            atomic_write_json(folder / LM_RESULTS_NAME, results)
+        except BaseException:
+            (folder / LM_PLOT_NAME).unlink(missing_ok=True)
+            raise
+        record_outputs(folder, LM_OUTPUT_NAMES, "titans-hf eval --lm")
     return results
 
 

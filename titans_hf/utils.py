@@ -1,33 +1,82 @@
-"""Helpers every part of the package shares: one atomic write, one pad-id fallback, one check of output files,
-one file hash."""
+"""Helpers every part of the package shares: one atomic write, one way of replacing outputs, one record of what
+this tool wrote (the outputs manifest), one pad-id fallback, one check of output files, one file hash, JSON without
+NaN.
+
+The rule for outputs, everywhere: an existing output is replaced only with `overwrite` (`--overwrite`), and even
+then only when this tool wrote it. What it wrote is recorded in a manifest, `.titans_hf_outputs.json`, in the
+output's folder: {name: {"command", "sha256"}} per file, and a folder-wide entry ({"folder": true}) for a folder
+this tool wrote whole (a stand-in base). A file that is not listed, or whose bytes changed since (its sha256
+differs), belongs to the user and is never replaced; file names (a `config.json`, a `results.json`) prove nothing.
+Token stores are recognised by their exact layout instead (`titans_hf.data.stores.replaceable_store_problem`).
+"""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import math
 import os
+import shutil
 import tempfile
+import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+MANIFEST_NAME = ".titans_hf_outputs.json"
+
+
+def umask() -> int:
+    """The process's umask: from /proc/self/status on Linux (reading it there changes nothing), else by setting
+    it and putting it back (the only portable way; another thread creating a file in that instant would get 022)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def give_umask_permissions(path: str | os.PathLike) -> None:
+    """Give `path` the permissions a plain `open` / `mkdir` would have under the user's umask (0666 or 0777 minus
+    it): `mkstemp` and `mkdtemp` create 0600 / 0700, private whatever the umask says."""
+    mode = 0o777 if Path(path).is_dir() else 0o666
+    os.chmod(path, mode & ~umask())
+
+
+def disk_full_message(error: OSError, what: str) -> str | None:
+    """A plain message for a full disk or quota (`what` names the output), None for any other OSError."""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"{what}: the disk is full (or over quota) ({error.strerror}); nothing was left behind, free space " \
+               "and run again"
+    return None
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], Any]) -> Path:
     """Write `path` through `write(temporary_path)` in the same folder, then rename it into place.
 
     An interrupted or failed write leaves `path` as it was (absent or the previous version), never half-written,
-    and removes its temporary file. Returns `path`.
+    and removes its temporary file; a full disk is an OSError saying so. The file gets the permissions the umask
+    gives. Returns `path`.
     """
     path = Path(path)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(handle)
     try:
         write(temporary)
+        give_umask_permissions(temporary)
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as error:
         if os.path.exists(temporary):
             os.unlink(temporary)
+        message = disk_full_message(error, str(path)) if isinstance(error, OSError) else None
+        if message:
+            raise OSError(error.errno, message) from error
         raise
     return path
 
@@ -37,9 +86,21 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return atomic_write(path, lambda temporary: Path(temporary).write_text(text, encoding="utf-8"))
 
 
+def json_safe(value: Any) -> Any:
+    """`value` with every float that is not finite (NaN, inf) replaced by None: JSON has no NaN, and a file
+    holding a bare NaN is not JSON to most readers."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    return value
+
+
 def atomic_write_json(path: str | os.PathLike, value: Any) -> Path:
-    """`atomic_write` of `value` as indented JSON with a final newline."""
-    return atomic_write_text(path, json.dumps(value, indent=2, ensure_ascii=False) + "\n")
+    """`atomic_write` of `value` as indented JSON with a final newline; NaN and inf are written as null."""
+    return atomic_write_text(path, json.dumps(json_safe(value), indent=2, ensure_ascii=False, allow_nan=False) + "\n")
 
 
 def resolve_pad_token_id(tokenizer: Any = None, config: Any = None) -> int:
@@ -57,19 +118,162 @@ def resolve_pad_token_id(tokenizer: Any = None, config: Any = None) -> int:
                      "names none either; set tokenizer.pad_token")
 
 
+def check_tokenizer_argument(name: str | os.PathLike, flag: str) -> None:
+    """Refuse, before anything loads, a tokenizer (or model) argument that is neither an existing path nor a Hub
+    id, naming `flag`: a missing local path otherwise surfaces as the Hub client's "Repo id must be in the
+    form..." error."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if Path(name).exists():
+        return
+    try:
+        validate_repo_id(str(name))
+    except HFValidationError:
+        raise FileNotFoundError(f"{flag} {name}: no such file or folder (and not a Hub repository id)") from None
+    if str(name).startswith((".", "~", os.sep)):
+        raise FileNotFoundError(f"{flag} {name}: no such file or folder")
+
+
+# ---- what this tool wrote: the outputs manifest ----
+
+def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
+    """The manifest of `folder` ({} when there is none, or it is not one this tool wrote)."""
+    path = Path(folder) / MANIFEST_NAME
+    if path.is_symlink() or not path.is_file():
+        return {}
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
+
+
+def record_outputs(folder: str | os.PathLike, names: Sequence[str], command: str) -> None:
+    """Record in `folder`'s manifest that `command` wrote the files `names` there, as they are now."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    manifest.update({name: {"command": command, "sha256": file_sha256(folder / name)} for name in names})
+    atomic_write_json(folder / MANIFEST_NAME, manifest)
+
+
+def record_folder(folder: str | os.PathLike, command: str) -> None:
+    """Record that `command` wrote the whole of `folder`: every file in it, by relative path, and a folder entry
+    (what `replaceable_folder_problem` checks before `--overwrite` replaces the folder)."""
+    folder = Path(folder)
+    names = sorted(str(path.relative_to(folder)) for path in folder.rglob("*")
+                   if path.is_file() and path.name != MANIFEST_NAME)
+    atomic_write_json(folder / MANIFEST_NAME, {
+        "folder": {"command": command},
+        **{name: {"command": command, "sha256": file_sha256(folder / name)} for name in names}})
+
+
+def _unrecorded(path: Path) -> str | None:
+    """Why the file `path` is not one this tool wrote (None when its folder's manifest vouches for its bytes)."""
+    entry = read_manifest(path.parent).get(path.name)
+    if path.is_symlink() or not path.is_file():
+        return "it is not a plain file"
+    if not isinstance(entry, dict):
+        return f"titans_hf did not write it (it is not listed in {path.parent / MANIFEST_NAME})"
+    if entry.get("sha256") != file_sha256(path):
+        return f"it changed since {entry.get('command', 'titans_hf')} wrote it"
+    return None
+
+
+def replaceable_folder_problem(folder: str | os.PathLike) -> str | None:
+    """None when `folder` is exactly what this tool wrote there as a whole (`record_folder`): every file listed in
+    its manifest with its recorded bytes, nothing else in it. Else why not."""
+    folder = Path(folder)
+    if folder.is_symlink():
+        return "it is a symbolic link"
+    if not folder.is_dir():
+        return "it is not a folder"
+    manifest = read_manifest(folder)
+    if "folder" not in manifest:
+        return f"it holds no {MANIFEST_NAME} saying titans_hf wrote the whole folder"
+    listed = {name for name in manifest if name != "folder"}
+    present = set()
+    for path in folder.rglob("*"):
+        if path.is_symlink() or not (path.is_file() or path.is_dir()):
+            return f"{path} is not a plain file or folder"
+        if path.is_file() and path.name != MANIFEST_NAME:
+            present.add(str(path.relative_to(folder)))
+    if present - listed:
+        return f"it holds files titans_hf did not write: {sorted(present - listed)[:5]}"
+    changed = [name for name in sorted(present) if manifest[name].get("sha256") != file_sha256(folder / name)]
+    if changed:
+        return f"files changed since titans_hf wrote them: {changed[:5]}"
+    return None
+
+
 def check_outputs(paths: list[Path], overwrite: bool) -> None:
-    """Refuse, before any work, output files that exist (unless `overwrite`), that are folders, or whose folder
-    cannot be made or written."""
+    """Refuse, before any work, output files that exist (unless `overwrite`, and then only files this tool wrote,
+    per their folder's manifest), that are folders, or whose folder cannot be made or written."""
     for path in paths:
         if path.is_dir():
             raise IsADirectoryError(f"output {path} is a folder; give a file name inside it")
-        if path.exists() and not overwrite:
-            raise FileExistsError(f"output {path} exists; pass --overwrite to replace it")
+        if path.exists() or path.is_symlink():
+            if not overwrite:
+                raise FileExistsError(f"output {path} exists; pass --overwrite to replace it")
+            problem = _unrecorded(path)
+            if problem is not None:
+                raise FileExistsError(f"output {path}: will not replace it, even with --overwrite: {problem}; remove "
+                                      "it yourself or choose another output")
         existing = next(folder for folder in (path.parent, *path.parent.parents) if folder.exists())
         if not existing.is_dir():
             raise NotADirectoryError(f"output {path}: {existing} is a file, not a folder")
         if not os.access(existing, os.W_OK | os.X_OK):
             raise PermissionError(f"output {path}: folder {existing} is not writable")
+
+
+def check_folder_output(folder: Path, overwrite: bool) -> None:
+    """Refuse, before any work, an existing output folder without `overwrite`, and with it any folder this tool
+    did not write whole (`replaceable_folder_problem`): a user's folder is never replaced."""
+    if not (folder.exists() or folder.is_symlink()):
+        parent = next(path for path in folder.parents if path.exists())
+        if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+            raise PermissionError(f"output {folder}: {parent} is not a writable folder")
+        return
+    if not overwrite:
+        raise FileExistsError(f"output {folder} exists; pass --overwrite to replace it")
+    problem = replaceable_folder_problem(folder)
+    if problem is not None:
+        raise FileExistsError(f"output {folder}: will not replace it, even with --overwrite: {problem}; remove it "
+                              "yourself or choose another output")
+
+
+def remove_path(path: Path) -> None:
+    """Remove a file or a folder tree (nothing when absent)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def replace_outputs(finished: Sequence[Path], targets: Sequence[Path], replaced: Sequence[Path] = ()) -> None:
+    """Rename the finished temporaries (files or folders) to their targets, in place of what lies there and of
+    the older outputs `replaced` (e.g. shards a new run no longer writes).
+
+    What is replaced is set aside first (a folder cannot be renamed over) and deleted only once every new output
+    is in place; if a rename fails the new outputs go and the old ones come back, so a command either installs
+    all of its outputs or none. The caller has checked that all of it may be replaced.
+    """
+    existing = list(dict.fromkeys([*replaced, *(target for target in targets
+                                                 if target.exists() or target.is_symlink())]))
+    set_aside = [path.with_name(f".{path.name}.replaced-{os.getpid()}-{uuid.uuid4().hex[:8]}") for path in existing]
+    for path, aside in zip(existing, set_aside):
+        os.replace(path, aside)
+    try:
+        for temporary, target in zip(finished, targets):
+            os.replace(temporary, target)
+    except BaseException:
+        for target in targets:
+            remove_path(target)
+        for path, aside in zip(existing, set_aside):
+            os.replace(aside, path)
+        raise
+    for aside in set_aside:
+        remove_path(aside)
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -81,24 +285,22 @@ def file_sha256(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def prepare_output_dir(path: str | os.PathLike, names: tuple[str, ...]) -> Path:
-    """The output folder for the files `names`, created if needed and checked writable before any long work: an
-    existing file there, a folder that cannot be written, or a folder in place of one of `names` is an error
-    naming it now rather than after the work."""
+def prepare_output_dir(path: str | os.PathLike, names: tuple[str, ...], overwrite: bool = True) -> Path:
+    """The output folder for the files `names`, created if needed and checked before any long work: an existing
+    file there, a folder that cannot be written, or a folder in place of one of `names` is an error naming it now
+    rather than after the work; so is an existing output of `names` without `overwrite`, or one this tool did not
+    write (see `check_outputs`)."""
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
         raise NotADirectoryError(f"output {folder} is an existing file, not a folder for {', '.join(names)}")
+    check_outputs([folder / name for name in names], overwrite)
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise OSError(f"output folder {folder} cannot be created: {error}") from error
     if not os.access(folder, os.W_OK | os.X_OK):
         raise PermissionError(f"output folder {folder} is not writable")
-    for name in names:
-        if (folder / name).is_dir():
-            raise IsADirectoryError(f"output {folder / name} is a folder; it would be written as a file")
     return folder
-
 
 
 def plain_backend_tokenizer(tokenizer: Any):

@@ -12,7 +12,7 @@ from titans_hf.tasks.babilong import (
     write_babilong_json,
     write_dataset_card,
 )
-from titans_hf.utils import check_outputs
+from titans_hf.utils import check_outputs, check_tokenizer_argument, record_outputs
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -42,16 +42,23 @@ def generate_command(args: argparse.Namespace) -> int:
 
     output = Path(args.output)
     check_outputs([output, dataset_card_path(output)] if args.card else [output], args.overwrite)
+    check_tokenizer_argument(args.tokenizer, "--tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, trust_remote_code=False)
     rows = generate_babilong(
         args.task, args.num_samples, args.length, tokenizer, args.seed, args.haystack, show_progress=True
     )
     output = write_babilong_json(rows, output)
+    written = [output.name]
     if args.card:
         settings = {
             "task": args.task, "length": args.length, "num_samples": args.num_samples, "seed": args.seed,
             "tokenizer": args.tokenizer, "haystack_files": args.haystack or [], "files": output.name,
         }
-        write_dataset_card(output, settings)
+        try:
+            written.append(write_dataset_card(output, settings).name)
+        except BaseException:  # no half of the outputs: the data file goes with the card that failed
+            output.unlink(missing_ok=True)
+            raise
+    record_outputs(output.parent, written, "titans-hf babilong generate")
     print(output)
     return 0

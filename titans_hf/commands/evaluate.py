@@ -17,11 +17,11 @@ from titans_hf.evaluation import (
     format_results_table,
     load_model_for_eval,
 )
-from titans_hf.data.tokens_builder import store_data_files
+from titans_hf.data.tokens_builder import check_stores_tokenizer, store_data_files
 from titans_hf.lm_evaluation import LM_OUTPUT_NAMES, LM_PLOT_NAME, LM_RESULTS_NAME, evaluate_lm, format_lm_table
 from titans_hf.tasks.babilong import GENERATED_TASKS, generate_babilong, length_tokens
 from titans_hf.tasks.babilong.generate import read_haystack_sentences
-from titans_hf.utils import prepare_output_dir
+from titans_hf.utils import check_tokenizer_argument, prepare_output_dir
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -75,10 +75,46 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else None,
                         help="e.g. cuda or cpu (default: cuda when there is one)")
     parser.add_argument("--output", required=True, help="folder for results.json, heatmap.png, predictions.jsonl")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the outputs of an earlier titans-hf eval in --output (never files it did not "
+                        "write); without it existing outputs are kept and the command stops before any work")
     parser.set_defaults(func=eval_command)
 
 
+def check_device(device: str | None, flag: str = "--device") -> None:
+    """Refuse, before any model loads, a device this machine does not have, naming `flag`."""
+    if device is None:
+        return
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError) as error:
+        raise ValueError(f"{flag} {device}: not a device ({error})") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{flag} {device}: CUDA is not available on this machine (torch.cuda.is_available() "
+                             "is False); use --device cpu")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ValueError(f"{flag} {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"{flag} {device}: MPS is not available on this machine; use --device cpu")
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
+    """Every flag that can be wrong is checked before the (slow) model load, naming the flag."""
+    for name, low in (("batch_size", 1), ("max_new_tokens", 1), ("num_samples", 1), ("boundary_tokens", 0)):
+        if getattr(args, name) < low:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least {low}")
+    for name in ("window_size", "stride", "max_windows"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
+    check_device(args.device)
+    for flag, value in (("--model", args.model), ("--memory", args.memory), ("--tokenizer", args.tokenizer)):
+        if value is not None:
+            check_tokenizer_argument(value, flag)
+
+
 def eval_command(args: argparse.Namespace) -> int:
+    _check_arguments(args)
     if args.lm:
         return lm_eval_command(args)
     # Everything that can be checked is checked before the (slow) model load and generation.
@@ -97,7 +133,7 @@ def eval_command(args: argparse.Namespace) -> int:
             read_haystack_sentences(args.haystack)  # missing or unreadable text fails before the model loads
     else:
         data = babilong_files_by_task_length(args.data, args.tasks, args.lengths)
-    prepare_output_dir(args.output, OUTPUT_NAMES)
+    prepare_output_dir(args.output, OUTPUT_NAMES, overwrite=args.overwrite)
     model, tokenizer = load_model_for_eval(args.model, args.memory, args.tokenizer, args.dtype, args.device)
     if args.generate:
         data = {
@@ -123,10 +159,12 @@ def lm_eval_command(args: argparse.Namespace) -> int:
         raise ValueError("titans-hf eval --lm needs --data naming token stores")
     if args.window_size is None:
         raise ValueError("titans-hf eval --lm needs --window-size (tokens per window)")
-    prepare_output_dir(args.output, LM_OUTPUT_NAMES)
-    model, _ = load_model_for_eval(args.model, args.memory, args.tokenizer, args.dtype, args.device)
+    files = store_data_files(args.data, "--data")
+    prepare_output_dir(args.output, LM_OUTPUT_NAMES, overwrite=args.overwrite)
+    model, tokenizer = load_model_for_eval(args.model, args.memory, args.tokenizer, args.dtype, args.device)
+    check_stores_tokenizer(files, tokenizer, "the model's tokenizer (--tokenizer, else the base's)")
     windows = datasets.load_dataset(
-        "titans_tokens", data_files=store_data_files(args.data), train_type=args.train_type, window_size=args.window_size,
+        "titans_tokens", data_files=files, train_type=args.train_type, window_size=args.window_size,
         stride=args.stride, respect_document_boundaries=args.respect_document_boundaries, pad_tail=args.pad_tail,
         vocab_size=model.config.text_config.vocab_size, split="train",
     )

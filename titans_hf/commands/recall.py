@@ -12,21 +12,30 @@ import argparse
 import json
 import shutil
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
 from titans_hf.tasks.recall import (
     DEFAULT_PEOPLE,
     DEFAULT_POOL_SIZE,
-    build_recall_eval_store,
     iter_recall_documents,
     people_pool,
     value_pool,
     write_recall_jsonl,
 )
-from titans_hf.tasks.recall.files import check_store_output
+from titans_hf.tasks.recall.files import check_store_output, write_recall_eval_store
 from titans_hf.tasks.recall.stand_in import pretrain_stand_in
-from titans_hf.utils import check_outputs
+from titans_hf.utils import (
+    check_folder_output,
+    check_outputs,
+    check_tokenizer_argument,
+    give_umask_permissions,
+    record_folder,
+    record_outputs,
+    remove_path,
+    replace_outputs,
+)
 
 TRAIN_NAME, EVAL_NAME, EVAL_DEPENDENT_NAME = "train.jsonl", "eval.jsonl", "eval_dependent"
 
@@ -93,19 +102,56 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     stand_in.set_defaults(func=stand_in_command)
 
 
+def _at_least(args: argparse.Namespace, names: tuple[str, ...], low: int) -> None:
+    """Refuse, before anything is written, a count flag below `low`, naming the flag."""
+    for name in names:
+        value = getattr(args, name)
+        if value < low:
+            raise ValueError(f"--{name.replace('_', '-')} {value}: must be at least {low}")
+
+
+def _check_corpus_arguments(args: argparse.Namespace) -> None:
+    _at_least(args, ("pool_size", "people", "num_people"), 1)
+    _at_least(args, ("max_references",), 0)
+    for name in ("reference_rate", "echo_rate"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be a rate in [0, 1]")
+
+
 def generate_command(args: argparse.Namespace) -> int:
+    """Every argument and output is checked first; the three outputs are written under temporary names and
+    renamed into place together, so a run that fails leaves none of them (and the previous ones, with
+    --overwrite, as they were)."""
     from transformers import AutoTokenizer
 
+    _at_least(args, ("num_train", "num_eval"), 1)
+    _at_least(args, ("window_size",), 2)
+    _at_least(args, ("min_distance",), 0)
+    _check_corpus_arguments(args)
+    check_tokenizer_argument(args.tokenizer, "--tokenizer")
     output = Path(args.output_dir)
-    check_outputs([output / TRAIN_NAME, output / EVAL_NAME], args.overwrite)
-    check_store_output(output / EVAL_DEPENDENT_NAME, args.overwrite)
+    targets = [output / TRAIN_NAME, output / EVAL_NAME, output / EVAL_DEPENDENT_NAME]
+    check_outputs(targets[:2], args.overwrite)
+    check_store_output(targets[2], args.overwrite)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, trust_remote_code=False)
     settings = dict(corpus_settings(args), length=args.window_size - 1, min_distance=args.min_distance)
-    write_recall_jsonl(iter_recall_documents(args.num_train, seed=args.seed, tokenizer=tokenizer, **settings),
-                       output / TRAIN_NAME)
-    held_out = list(iter_recall_documents(args.num_eval, seed=args.seed + 1, tokenizer=tokenizer, **settings))
-    write_recall_jsonl(held_out, output / EVAL_NAME)
-    build_recall_eval_store(held_out, output / EVAL_DEPENDENT_NAME, tokenizer, overwrite=args.overwrite)
+    output.mkdir(parents=True, exist_ok=True)
+    partial = [output / f".{target.name}.partial-{uuid.uuid4().hex[:8]}" for target in targets[:2]]
+    finished: list[Path] = []
+    try:
+        write_recall_jsonl(iter_recall_documents(args.num_train, seed=args.seed, tokenizer=tokenizer, **settings),
+                           partial[0])
+        held_out = list(iter_recall_documents(args.num_eval, seed=args.seed + 1, tokenizer=tokenizer, **settings))
+        write_recall_jsonl(held_out, partial[1])
+        finished = [*partial, write_recall_eval_store(held_out, targets[2], tokenizer)]
+        check_outputs(targets[:2], args.overwrite)  # again: something may have appeared there meanwhile
+        check_store_output(targets[2], args.overwrite)
+        replace_outputs(finished, targets)
+    except BaseException:
+        for path in [*partial, *finished]:
+            remove_path(path)
+        raise
+    record_outputs(output, [TRAIN_NAME, EVAL_NAME], "titans-hf recall generate")
     references = sum(len(document.references) for document in held_out)
     print(f"wrote {output / TRAIN_NAME} ({args.num_train} documents), {output / EVAL_NAME} ({args.num_eval}, "
           f"{references} recalled values) and {output / EVAL_DEPENDENT_NAME}")
@@ -113,26 +159,28 @@ def generate_command(args: argparse.Namespace) -> int:
 
 
 def stand_in_command(args: argparse.Namespace) -> int:
+    """Trained in a temporary folder beside the output and renamed into place once saved (a killed run leaves no
+    folder that looks like a finished base); --overwrite replaces only a folder this command wrote whole (its
+    outputs manifest lists every file in it), never a folder that merely holds a config.json."""
+    _at_least(args, ("steps", "batch_size"), 1)
+    if not args.learning_rate > 0:
+        raise ValueError(f"--learning-rate {args.learning_rate}: must be > 0")
+    _check_corpus_arguments(args)
     output = Path(args.output_dir)
-    if output.exists() and not args.overwrite:
-        raise FileExistsError(f"output {output} exists; pass --overwrite to replace it")
-    if output.exists() and not (output / "config.json").is_file():
-        raise ValueError(f"{output}: will not replace it, even with --overwrite: it holds no config.json, so it "
-                         "is not a model folder")
+    check_folder_output(output, args.overwrite)
     output.parent.mkdir(parents=True, exist_ok=True)
-    # trained in a temporary folder beside the output, renamed into place once saved: a killed run leaves no
-    # folder that looks like a finished base
     scratch = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
     try:
+        give_umask_permissions(scratch)
         done = pretrain_stand_in(scratch, corpus_settings(args), steps=args.steps, batch_size=args.batch_size,
                                  learning_rate=args.learning_rate, seed=args.seed)
         (scratch / "stand_in.json").write_text(json.dumps(done, indent=2) + "\n")
+        record_folder(scratch, "titans-hf recall stand-in")
+        check_folder_output(output, args.overwrite)  # again: something may have appeared there meanwhile
+        replace_outputs([scratch], [output])
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
-    if output.exists():
-        shutil.rmtree(output)
-    scratch.rename(output)
     print(f"stand-in base {output}: {done['steps']} steps, final loss {done['final_loss']:.3f}, mean cosine of the "
           f"values' embeddings {done['value_embedding_cosine']:.2f}")
     return 0

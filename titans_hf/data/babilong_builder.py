@@ -103,8 +103,19 @@ class TitansBabilongConfig(datasets.BuilderConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if not self.tokenizer:
-            raise ValueError("titans_babilong needs tokenizer= (a tokenizer name or path)")
+        if not self.tokenizer or not isinstance(self.tokenizer, (str, os.PathLike)):
+            raise ValueError(f"titans_babilong needs tokenizer= a tokenizer name or path, got {self.tokenizer!r}")
+        for name in ("max_length", "answer_reserve_tokens", "seed") + (("num_samples",) if self.num_samples is not None
+                                                                        else ()):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"titans_babilong: {name}={value!r} must be an integer (got {type(value).__name__})")
+        for name in ("pad_to_max_length", "truncate_answers"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"titans_babilong: {name}={getattr(self, name)!r} must be true or false")
+        if self.train_ratio is not None and (isinstance(self.train_ratio, bool)
+                                             or not isinstance(self.train_ratio, (int, float))):
+            raise ValueError(f"titans_babilong: train_ratio={self.train_ratio!r} must be a number or None")
         if not 1 <= self.answer_reserve_tokens < self.max_length:
             raise ValueError(
                 f"answer_reserve_tokens={self.answer_reserve_tokens} must be >= 1 and below "

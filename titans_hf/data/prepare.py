@@ -33,10 +33,7 @@ import functools
 import json
 import math
 import multiprocessing
-import os
 import re
-import shutil
-import uuid
 from multiprocessing.pool import ThreadPool
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
@@ -51,8 +48,10 @@ from titans_hf.data.stores import (
     output_format,
     replaceable_store_problem,
     token_dtype,
+    tokenizer_fingerprint,
 )
 from titans_hf.data.windows import TRAIN_TYPE_KEYS
+from titans_hf.utils import check_tokenizer_argument, disk_full_message, replace_outputs
 
 RECORD_FIELDS: dict[str, tuple[str, ...]] = {
     "seq": ("text",),
@@ -76,6 +75,13 @@ PIECE_CHARS = 1 << 16
 _SAFE_CUT = re.compile(r"\n(?=[^\W_])")
 _CUT_PROBES = (("Hello world.\n", "The end"), ("a\n\n", "b c"), ("x \n", "9 y"), ("one\r\n", "Two"), ("é\n", "ü"))
 _READ_CHARS = 1 << 20
+# The most characters one tokenizer call gets, and the longest `.jsonl` line read: tokenizing a text takes about
+# 130 bytes of memory per character (measured: 7.9 GB for 60M characters with a byte-level BPE), so a tiny
+# compressed file holding one huge line could otherwise exhaust the machine. Longer documents go in `.txt` files
+# (or have line breaks), which are read in blocks and cut at safe points.
+MAX_TEXT_CHARS = 1 << 24
+# Stands for a special token's text written in a chat message, while the template renders (private-use code points).
+_LITERAL = re.compile("\ue000(\\d+)\ue001")
 # A batch also ends at this many characters, which bounds the memory of one tokenizer call.
 BATCH_CHARS = 1 << 20
 
@@ -87,8 +93,9 @@ def _cuts_are_exact(tokenizer) -> bool:
     return all(encode(left + right) == encode(left) + encode(right) for left, right in _CUT_PROBES)
 
 
-def _pieces(text_blocks: Iterable[str], cut: bool) -> Iterator[str]:
-    """Regroup a document's text into pieces of about PIECE_CHARS, cut only at safe points."""
+def _pieces(text_blocks: Iterable[str], cut: bool, where: str = "input") -> Iterator[str]:
+    """Regroup a document's text into pieces of about PIECE_CHARS, cut only at safe points; a stretch of more than
+    MAX_TEXT_CHARS without one is refused, naming `where`."""
     buffer = ""
     for block in text_blocks:
         buffer += block
@@ -98,6 +105,9 @@ def _pieces(text_blocks: Iterable[str], cut: bool) -> Iterator[str]:
                 break
             yield buffer[: match.end()]
             buffer = buffer[match.end() :]
+        if len(buffer) > MAX_TEXT_CHARS:
+            raise ValueError(f"{where}: more than {MAX_TEXT_CHARS} characters without a line break where the text can "
+                             "be cut; tokenizing it whole would take gigabytes of memory: break the text into lines")
     if buffer:
         yield buffer
 
@@ -232,7 +242,11 @@ def _check_input_files(paths: list[Path], train_type: str) -> None:
 def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
     try:
         with open(path, encoding="utf-8") as handle:
-            for line_number, line in enumerate(handle, start=1):
+            for line_number, line in enumerate(iter(lambda: handle.readline(MAX_TEXT_CHARS + 1), ""), start=1):
+                if len(line) > MAX_TEXT_CHARS and not line.endswith("\n"):
+                    raise ValueError(f"{path}:{line_number}: the line is longer than {MAX_TEXT_CHARS} characters, "
+                                     "more than one record should hold (tokenizing it would take gigabytes of "
+                                     "memory); put a long document in a .txt file, which is read in blocks")
                 if not line.strip():
                     continue
                 try:
@@ -286,7 +300,7 @@ def _units(
                 continue
             blocks = [record[text_field]]
         previous = None
-        for piece in _pieces(blocks, cut):
+        for piece in _pieces(blocks, cut, where):
             if previous is not None:
                 yield (previous, False), len(previous)
             previous = piece
@@ -309,6 +323,45 @@ def _load_tokenizer(name: str | Path):
 def _init_worker(tokenizer_name: str) -> None:
     global _worker_tokenizer
     _worker_tokenizer = _load_tokenizer(tokenizer_name)
+
+
+def _escape_literals(messages: list[dict[str, Any]], special: list[str]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The messages with every special token's text in their contents replaced by a placeholder, and the texts
+    replaced (placeholder i stands for literals[i]); ([], []) untouched when no content holds one."""
+    found = [token for token in special if token and any(token in message["content"] for message in messages)]
+    if not found:
+        return messages, []
+    pattern = re.compile("|".join(re.escape(token) for token in sorted(found, key=len, reverse=True)))
+    literals: list[str] = []
+
+    def placeholder(match: re.Match) -> str:
+        literals.append(match.group(0))
+        return f"\ue000{len(literals) - 1}\ue001"
+
+    return [{**message, "content": pattern.sub(placeholder, message["content"])} for message in messages], literals
+
+
+def _encode_with_literals(tokenizer, text: str, literals: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, character offsets) of `text` rendered with placeholders: the template's own text as usual (its special
+    tokens are control tokens), each placeholder as the plain text it stands for (`split_special_tokens`), so
+    what a user wrote never becomes a turn marker. A placeholder's tokens all carry its span in `text`."""
+    pieces, position = [], 0
+    for match in _LITERAL.finditer(text):
+        pieces += [(text[position : match.start()], position, None), (literals[int(match.group(1))], match.start(),
+                                                                      match.end())]
+        position = match.end()
+    pieces.append((text[position:], position, None))
+    ids: list[int] = []
+    offsets: list[tuple[int, int]] = []
+    for piece, start, end in pieces:
+        if not piece:
+            continue
+        encoded = tokenizer(piece, add_special_tokens=False, return_offsets_mapping=True,
+                            split_special_tokens=end is not None)
+        ids += encoded["input_ids"]
+        offsets += ([(start, end)] * len(encoded["input_ids"]) if end is not None
+                    else [(start + a, start + b) for a, b in encoded["offset_mapping"]])
+    return np.array(ids, np.int64), np.array(offsets, np.int64).reshape(-1, 2)
 
 
 def _render(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
@@ -357,15 +410,16 @@ def chat_tokens(tokenizer, messages: list[dict[str, Any]], where: str) -> tuple[
     """
     from jinja2 import TemplateError
 
+    special = [token.content for token in tokenizer.added_tokens_decoder.values() if token.special]
+    escaped, literals = _escape_literals(messages, special)
     try:
-        if _GENERATION_TAG.search(tokenizer.get_chat_template()):
+        if _GENERATION_TAG.search(tokenizer.get_chat_template()) and not literals:
             encoded = tokenizer.apply_chat_template(messages, return_dict=True, return_assistant_tokens_mask=True)
             ids, mask = np.array(encoded["input_ids"], np.int64), np.array(encoded["assistant_masks"], np.uint8)
         else:
-            text, spans = _assistant_spans(tokenizer, messages, where)
-            encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-            offsets = np.array(encoded["offset_mapping"], np.int64).reshape(-1, 2)
-            ids, mask = np.array(encoded["input_ids"], np.int64), np.zeros(len(offsets), np.uint8)
+            text, spans = _assistant_spans(tokenizer, escaped, where)
+            ids, offsets = _encode_with_literals(tokenizer, text, literals)
+            mask = np.zeros(len(offsets), np.uint8)
             for start, stop in spans:
                 mask |= (offsets[:, 0] < stop) & (offsets[:, 1] > start)
     except TemplateError as error:
@@ -400,7 +454,9 @@ def _encode_batch(batch: tuple[str, list[Any], int], tokenizer=None) -> tuple[li
         ]
     else:
         plans = [(take(unit["prompt"]), [take(response) for response in unit["responses"]]) for unit in units]
-    ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"] if texts else []
+    # split_special_tokens: a document that writes "<|endoftext|>" or "<|im_end|>" holds that text, not the token
+    ids = tokenizer(texts, add_special_tokens=False, split_special_tokens=True,
+                    return_attention_mask=False)["input_ids"] if texts else []
     eos = np.array([tokenizer.eos_token_id], dtype=np.int64)
 
     def tokens(index: int | None, end: bool = False) -> np.ndarray:
@@ -533,35 +589,6 @@ def _checked_outputs(output: Path, inputs: Any, overwrite: bool) -> list[Path]:
     return existing
 
 
-def _replace_outputs(finished: list[Path], targets: list[Path], existing: list[Path]) -> None:
-    """Rename the finished temporaries to their targets in place of the old outputs.
-
-    The old outputs are set aside first (a bin store is a directory, which a rename cannot overwrite) and
-    deleted only once every new output is in place; if a rename fails they come back, so nothing is lost.
-    """
-    set_aside = [path.with_name(f".{path.name}.replaced-{os.getpid()}-{uuid.uuid4().hex[:8]}") for path in existing]
-    for path, aside in zip(existing, set_aside):
-        os.replace(path, aside)
-    try:
-        for temp, target in zip(finished, targets):
-            os.replace(temp, target)
-    except BaseException:
-        for target in targets:
-            _remove(target)
-        for path, aside in zip(existing, set_aside):
-            os.replace(aside, path)
-        raise
-    for aside in set_aside:
-        _remove(aside)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()
-
-
 def prepare(
     inputs: str | Path | Sequence[str | Path] | Any,
     output: str | Path,
@@ -592,6 +619,7 @@ def prepare(
     if paths is not None:
         _check_input_files(paths, train_type)
     _checked_outputs(output, inputs, overwrite)
+    check_tokenizer_argument(tokenizer, "tokenizer (--tokenizer)")
     output.parent.mkdir(parents=True, exist_ok=True)
 
     tok = _load_tokenizer(tokenizer)
@@ -606,6 +634,7 @@ def prepare(
         "vocab_size": vocab_size,
         "eos_token_id": tok.eos_token_id,
         "pad_token_id": tok.pad_token_id,
+        "tokenizer_fingerprint": tokenizer_fingerprint(tok),
     }
     writer_class = STORE_WRITERS[output_format(output)]
     # File sizes in bytes bound the characters from above: the bar may stop a little short of 100%.
@@ -640,11 +669,14 @@ def prepare(
             raise ValueError(f"{inputs}: no records to prepare (all inputs empty)")
         targets = _shard_paths(output, len(finished))
         # Checked again: what lies at the outputs may have changed while the inputs were encoded.
-        _replace_outputs(finished, targets, _checked_outputs(output, inputs, overwrite))
+        replace_outputs(finished, targets, _checked_outputs(output, inputs, overwrite))
         return targets
-    except BaseException:
+    except BaseException as error:
         for writer in writers:
             writer.abort()
+        message = disk_full_message(error, f"prepare {output}") if isinstance(error, OSError) else None
+        if message:
+            raise OSError(error.errno, message) from error
         raise
     finally:
         progress.close()

@@ -55,7 +55,10 @@ META_FILE = "meta.json"
 H5_SUFFIXES = (".h5", ".hdf5")
 # Keys holding real numbers; every other key holds token ids or 0/1 masks and must be integral.
 FLOAT_KEYS = frozenset({"rewards"})
-METADATA_FIELDS = ("train_type", "tokenizer", "vocab_size", "eos_token_id", "pad_token_id")
+METADATA_FIELDS = ("train_type", "tokenizer", "vocab_size", "eos_token_id", "pad_token_id", "tokenizer_fingerprint")
+# gzip / deflate, the strongest filter HDF5 ships, expands at most ~1032x: an h5 segment that declares more
+# bytes than this many times what it stores declares data it does not hold.
+MAX_H5_EXPANSION = 1032
 # Arrow columns and torch tensors hold ids as int32: a larger id would wrap negative.
 MAX_TOKEN_ID = 2**31 - 1
 # A key names a file (`<key>.bin`) or an HDF5 group: a plain name, never a path.
@@ -171,7 +174,7 @@ def value_rule(key: str, dtype: np.dtype, vocab_size: int | None, where: Any) ->
 def _checked_metadata(metadata: dict[str, Any], where: Any) -> dict[str, Any]:
     """The metadata fields, with types and id ranges checked; absent fields are None."""
     checked = {field: metadata.get(field) for field in METADATA_FIELDS}
-    for field in ("train_type", "tokenizer"):
+    for field in ("train_type", "tokenizer", "tokenizer_fingerprint"):
         if checked[field] is not None and not isinstance(checked[field], str):
             raise ValueError(f"{where}: field {field!r} must be a string, got {checked[field]!r}")
     vocab_size = checked["vocab_size"]
@@ -186,6 +189,32 @@ def _checked_metadata(metadata: dict[str, Any], where: Any) -> dict[str, Any]:
         if vocab_size is not None and value >= vocab_size:
             raise ValueError(f"{where}: {field} {value} is not below vocab_size {vocab_size}")
     return {field: int(value) if is_int(value) else value for field, value in checked.items()}
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """sha256 of what makes a tokenizer's ids mean what they mean: its vocabulary (every token and its id, added
+    tokens included) and its special tokens. Recorded by `prepare` in a store's metadata, compared with the
+    model's tokenizer before training or evaluating on the store (two tokenizers of one vocab size still differ
+    here)."""
+    payload = {"vocab": sorted(tokenizer.get_vocab().items(), key=lambda item: item[1]),
+               "special": sorted(str(token) for token in tokenizer.all_special_tokens)}
+    return hashlib.sha256(json.dumps(payload, ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
+def check_store_tokenizer(store: "TokenStore", tokenizer: Any, what: str = "the model's tokenizer") -> None:
+    """Refuse a store prepared with another tokenizer than `tokenizer`, naming the store: by the vocabulary size
+    and the fingerprint it records (a store that records neither is not checked)."""
+    name = getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
+    recorded_size, recorded = store.metadata.get("vocab_size"), store.metadata.get("tokenizer_fingerprint")
+    if recorded_size is not None and recorded_size != len(tokenizer):
+        raise ValueError(f"{store.path}: prepared with tokenizer {store.metadata.get('tokenizer')!r} of "
+                         f"{recorded_size} tokens, but {what} ({name}) has {len(tokenizer)}: the ids would mean other "
+                         "tokens; prepare the store again with this tokenizer")
+    if recorded is not None and recorded != tokenizer_fingerprint(tokenizer):
+        raise ValueError(f"{store.path}: prepared with tokenizer {store.metadata.get('tokenizer')!r}, whose "
+                         f"vocabulary differs from {what} ({name}) though both have {len(tokenizer)} tokens "
+                         "(tokenizer_fingerprint differs): the ids would mean other tokens; prepare the store again "
+                         "with this tokenizer")
 
 
 def _checked_offsets(offsets: Any, length: int, key: str, where: Path) -> np.ndarray:
@@ -350,11 +379,23 @@ class TokenStore:
         """`key_checksum` of `key`: as recorded at prepare, else computed from the data (then kept)."""
         key = self._known(key)
         if key not in self._checksums:
-            digest = hashlib.sha256()
-            for _, block in self._blocks(key):
-                digest.update(np.ascontiguousarray(block).data)
-            self._checksums[key] = key_checksum(digest, self.offsets(key))
+            self._checksums[key] = self._computed_checksum(key)
         return self._checksums[key]
+
+    def _computed_checksum(self, key: str) -> str:
+        digest = hashlib.sha256()
+        for _, block in self._blocks(key):
+            digest.update(np.ascontiguousarray(block).data)
+        return key_checksum(digest, self.offsets(key))
+
+    def verify_checksums(self) -> None:
+        """Hash every key's data and compare it with the sha256 recorded at prepare: a store whose files were
+        edited after prepare (sizes and mtimes kept or not) is a ValueError naming the file. One full read."""
+        for key in self.keys:
+            recorded = self._checksums.get(key)
+            if recorded is not None and self._computed_checksum(key) != recorded:
+                raise ValueError(f"{self._where(key)}: its data does not match the sha256 recorded for key {key!r} at "
+                                 "prepare: the store was changed after it was written; prepare it again")
 
     def close(self) -> None:
         """Release file handles; a closed store reopens them on the next read."""
@@ -559,6 +600,11 @@ class H5Store(TokenStore):
             if layout.get_layout() == h5py.h5d.VIRTUAL or layout.get_external_count():
                 kind = "a virtual dataset" if layout.get_layout() == h5py.h5d.VIRTUAL else "stored in external files"
                 raise ValueError(f"{where}/{name}: is {kind}; a store holds its own data")
+            declared, stored = dataset.shape[0] * dataset.dtype.itemsize, dataset.id.get_storage_size()
+            if declared and (stored == 0 or (declared > stored and not layout.get_nfilters())
+                             or declared > stored * MAX_H5_EXPANSION):
+                raise ValueError(f"{where}/{name}: declares {dataset.shape[0]} values ({declared} bytes) but stores "
+                                 f"{stored} bytes; a store holds the data it declares")
             if dtype is not None and dataset.dtype != dtype:
                 raise ValueError(f"{where}/{name}: dtype {dataset.dtype} differs from earlier segments' {dtype}")
             dtype = dataset.dtype

@@ -6,10 +6,14 @@
 `data_files` name `.h5` stores or any file of a bin store (`meta.json`, `<key>.bin`); each store is
 read lazily and its examples (see `TokenExamples`) are written to the Arrow cache in window
 ranges, which are the shards `num_proc` and streaming split the work over. The cache key holds
-every config value, beyond the data files' own mtimes the size and mtime of every file of each
-store (touching a `.bin` beside a listed `meta.json` rebuilds too), and each store's metadata and
-per-key content checksums (`store_contents`), so a store replaced by one of the same sizes and
-mtimes rebuilds as well. `vocab_size` (the model's) refuses stores holding larger ids up front.
+every config value, beyond the data files' own mtimes the size, mtime, ctime and inode of every file
+of each store (touching a `.bin` beside a listed `meta.json` rebuilds too), and each store's metadata
+and per-key content checksums (`store_contents`), so a store replaced by one of the same sizes and
+mtimes rebuilds as well. A file edited in place with its size and mtime set back still gets a new
+ctime, which no user can set: the cache key changes, and the build, which reads every token anyway,
+first hashes each store and compares the sha256 recorded at prepare (`verify_checksums`), so edited
+data is refused, naming the file. That is the cheapest correct option: a cache hit costs a stat per
+file, never a full read. `vocab_size` (the model's) refuses stores holding larger ids up front.
 
 `data_files` (or `data_dir`) must be given: `datasets` would otherwise hand the builder whatever files lie
 in the working directory; `titans_hf.data` refuses such a call before it resolves any file.
@@ -17,6 +21,7 @@ in the working directory; `titans_hf.data` refuses such a call before it resolve
 
 from __future__ import annotations
 
+import glob
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +32,7 @@ import numpy as np
 import pyarrow as pa
 from datasets.builder import Key
 
-from titans_hf.data.stores import META_FILE, detect_format, open_store
+from titans_hf.data.stores import META_FILE, check_store_tokenizer, detect_format, open_store
 from titans_hf.data.windows import TRAIN_TYPE_KEYS, TokenExamples
 
 # Each store is cut into this many window ranges: enough shards for any sensible num_proc.
@@ -57,11 +62,35 @@ FEATURES: dict[str, datasets.Features] = {
 }
 
 
-def store_data_files(paths: Iterable[str | Path]) -> list[str]:
+def store_data_files(paths: Iterable[str | Path], flag: str = "data_files") -> list[str]:
     """`data_files` for the builder from what users name: a bin store folder stands for its `meta.json` (datasets
-    resolves files and patterns, not folders); files and patterns pass through."""
-    return [str(Path(path) / META_FILE) if Path(path).is_dir() and (Path(path) / META_FILE).is_file() else str(path)
-            for path in paths]
+    resolves files and patterns, not folders); a glob pattern stands for the files it matches, in sorted order.
+    A path that does not exist, or a pattern that matches nothing, is an error naming `flag` and the path."""
+    files: list[str] = []
+    for path in map(Path, paths):
+        if path.is_dir() and (path / META_FILE).is_file():
+            files.append(str(path / META_FILE))
+        elif path.exists():
+            files.append(str(path))
+        elif glob.has_magic(str(path)):
+            matches = sorted(glob.glob(str(path), recursive=True))
+            if not matches:
+                raise FileNotFoundError(f"{flag} {path}: the pattern matches no file")
+            files += matches
+        else:
+            raise FileNotFoundError(f"{flag} {path}: no such store (an .h5 file, a bin store folder or one of its "
+                                    "files)")
+    if not files:
+        raise ValueError(f"{flag}: no token store named")
+    return files
+
+
+def check_stores_tokenizer(files: Iterable[str | Path], tokenizer: Any, what: str) -> None:
+    """Refuse any store among `files` that was prepared with another tokenizer than `tokenizer` (see
+    `check_store_tokenizer`), before any row is built; `what` names the tokenizer in the message."""
+    for root in store_roots(files):
+        with open_store(root) as store:
+            check_store_tokenizer(store, tokenizer, what)
 
 
 def store_roots(files: Iterable[str | Path]) -> list[Path]:
@@ -77,12 +106,14 @@ def store_roots(files: Iterable[str | Path]) -> list[Path]:
     return roots
 
 
-def store_fingerprint(roots: Iterable[Path]) -> list[tuple[str, int, int]]:
-    """Size and mtime of every file of each store: a change to any of them must rebuild the cache."""
+def store_fingerprint(roots: Iterable[Path]) -> list[tuple[str, int, int, int, int]]:
+    """Size, mtime, ctime and inode of every file of each store: a change to any of them must rebuild the cache
+    (an in-place edit that sets the mtime back still moves the ctime)."""
     files: list[Path] = []
     for root in roots:
         files += sorted(entry for entry in root.iterdir() if entry.is_file()) if root.is_dir() else [root]
-    return [(str(file), file.stat().st_size, file.stat().st_mtime_ns) for file in files]
+    stats = [(file, file.stat()) for file in files]
+    return [(str(file), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino) for file, stat in stats]
 
 
 def store_contents(roots: Iterable[Path]) -> list[tuple[str, dict[str, Any], dict[str, tuple[str, str]]]]:
@@ -121,6 +152,14 @@ class TitansTokensConfig(datasets.BuilderConfig):
         super().__post_init__()
         if self.train_type not in TRAIN_TYPE_KEYS:
             raise ValueError(f"train_type must be one of {list(TRAIN_TYPE_KEYS)}, got {self.train_type!r}")
+        for name in ("window_size", "stride", "pad_token_id", "vocab_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"titans_tokens: {name}={value!r} must be an integer or None (got "
+                                 f"{type(value).__name__})")
+        for name in ("pad_tail", "respect_document_boundaries"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"titans_tokens: {name}={getattr(self, name)!r} must be true or false")
 
     def create_config_id(self, config_kwargs: dict, custom_features: datasets.Features | None = None) -> str:
         if self.data_files is not None:
@@ -188,6 +227,7 @@ class TitansTokens(datasets.ArrowBasedBuilder):
             ranges: list[tuple[str, int, int]] = []
             for root in store_roots(files):
                 with open_store(root) as store:
+                    store.verify_checksums()
                     count = len(self._examples(store))
                 step = math.ceil(count / RANGES_PER_STORE)
                 ranges += [(str(root), start, min(start + step, count)) for start in range(0, count, step)]

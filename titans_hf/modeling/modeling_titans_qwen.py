@@ -14,6 +14,7 @@ alone (see `titans_hf.hub`).
 
 import contextlib
 import functools
+import logging
 import math
 import os
 import tempfile
@@ -33,17 +34,25 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from titans_hf.hub import (
+    MEMORY_WEIGHTS_NAME,
     TitansMemoryConfig,
+    base_fingerprint,
+    check_safetensors_folder,
+    hub_file,
     is_hub_id,
     is_memory,
-    load_memory_folder,
+    load_memory_weights,
     push_memory_folder,
+    read_safetensors_header,
+    recorded_base,
     save_memory_folder,
 )
 
 from .configuration_titans_qwen import TitansQwenConfig
 from .memory import MemoryState, NeuralMemory
 from .variants import MEMORY_VARIANTS, TitansMemoryBlock
+
+logger = logging.getLogger(__name__)
 
 BASE_PREFIXES = ("model.", "lm_head.")
 # What the Hub download of a memory takes; everything else goes to the base's from_pretrained.
@@ -254,6 +263,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         if isinstance(base, PreTrainedModel):
             backbone, name = base, base.config.name_or_path
         else:
+            check_safetensors_folder(base, "from_base: the base")
             load_kwargs = {**(load_kwargs or {}), "trust_remote_code": False, "use_safetensors": True}
             for key, value in (("revision", revision), ("dtype", dtype), ("attn_implementation", attn_implementation)):
                 if value is not None:
@@ -264,6 +274,8 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         values = {**(memory_config.to_dict() if memory_config is not None else {}), **memory_settings}
         if values.get("base_model_name_or_path") is None:
             values.update(base_model_name_or_path=name, revision=revision)
+            if name and Path(name).is_dir():  # a local base: the same folder from anywhere, and the same model
+                values.update(base_model_name_or_path=str(Path(name).resolve()), base_fingerprint=base_fingerprint(name))
         memory = TitansMemoryConfig.from_dict(values, source="from_base")
         attention = backbone.config._attn_implementation
         config = TitansQwenConfig(text_config=backbone.config, memory_config=memory)
@@ -295,27 +307,35 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         through `huggingface_hub` (cached; with HF_HUB_OFFLINE=1 only the cache is read); `load_kwargs` go to the
         base's `from_pretrained`."""
         hub = {"token": token, "cache_dir": cache_dir, "local_files_only": local_files_only}
-        memory_config, weights = load_memory_folder(memory, revision=revision, **hub)
+        memory_config = TitansMemoryConfig.from_pretrained(memory, revision=revision, **hub)
+        weights_path = hub_file(memory, MEMORY_WEIGHTS_NAME, revision=revision, **hub)
         if base is None:
             base = memory_config.base_model_name_or_path
-            if not base:
-                raise ValueError(f"{memory}: its memory config names no base model; pass the base explicitly")
-            if not Path(memory).is_dir() and (not is_hub_id(base) or Path(base).exists()):
+            if base and not Path(memory).is_dir() and (not is_hub_id(base) or Path(base).exists()):
                 # a downloaded file never picks a path on this machine
                 raise ValueError(f"{memory}: its memory config names the base {base!r}, which is not a Hub id; pass "
                                  "the base explicitly (from_base_and_memory(base, memory))")
+            base = recorded_base(memory_config, str(memory))
+        elif (not isinstance(base, PreTrainedModel) and memory_config.base_fingerprint is not None
+              and Path(base).is_dir() and base_fingerprint(base) != memory_config.base_fingerprint):
+            logger.warning("%s: the base %s is not the model the memory was trained on (%s; base_fingerprint "
+                           "differs); using it as asked", memory, base, memory_config.base_model_name_or_path)
         base_revision = base_revision if base_revision is not None else memory_config.revision
         if isinstance(base, PreTrainedModel):
             text = base.config
         else:
             text = AutoConfig.from_pretrained(base, revision=base_revision, trust_remote_code=False, **hub)
         try:
-            memory_config.for_base(text)
+            fitted = memory_config.for_base(text)
         except ValueError as error:
             raise ValueError(f"{memory}: {error}") from error
+        # the weights' names, shapes and dtypes against a memory built from the config on the meta device, before
+        # anything is allocated: a config declaring a huge memory (memory_head_dim 2^20) is refused here, naming
+        # the file, not after the model has tried to allocate terabytes
+        cls.check_memory_weights(fitted, read_safetensors_header(weights_path), str(weights_path))
         model = cls.from_base(base, memory_config, revision=base_revision, dtype=dtype,
                               attn_implementation=attn_implementation, load_kwargs={**load_kwargs, **hub})
-        model.load_memory_state_dict(weights, source=str(memory))
+        model.load_memory_state_dict(load_memory_weights(weights_path), source=str(weights_path))
         return model
 
     @classmethod
@@ -326,6 +346,17 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         hub = {key: kwargs[key] for key in HUB_KWARGS if key in kwargs}
         if not args and is_memory(pretrained_model_name_or_path, revision=kwargs.get("revision"), **hub):
             return cls.from_base_and_memory(None, pretrained_model_name_or_path, **kwargs)
+        check_safetensors_folder(pretrained_model_name_or_path, "from_pretrained: the model folder")
+        folder = Path(pretrained_model_name_or_path)
+        if folder.is_dir() and any(folder.glob("*.safetensors")):
+            # a full model folder: its memory's shapes against its config before anything is built (a config that
+            # declares a huge memory is named here, not in the loader's size-mismatch report)
+            config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+            if isinstance(config, TitansQwenConfig):
+                header = {name: entry for path in sorted(folder.glob("*.safetensors"))
+                          for name, entry in read_safetensors_header(path).items()
+                          if not name.startswith(BASE_PREFIXES)}
+                cls.check_memory_weights(config.memory_config, header, str(folder), check_dtype=False)
         # loading swaps in new Parameter objects, which forget the freeze applied in __init__
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         model._apply_freeze_base()
@@ -347,16 +378,23 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
             if tuple(value.shape) != tuple(own[name].shape) or not value.is_floating_point():
                 raise ValueError(f"{source}: {name} is {value.dtype} {tuple(value.shape)}, the model expects a "
                                  f"floating tensor of shape {tuple(own[name].shape)}")
+            if value.dtype != own[name].dtype:  # never cast silently (push refuses such a file too)
+                raise ValueError(f"{source}: {name} is {value.dtype}, this model's memory is {own[name].dtype}; "
+                                 "save the memory in its own dtype")
+            if not bool(torch.isfinite(value).all()):
+                raise ValueError(f"{source}: {name} holds NaN or infinite values; the memory is broken (a diverged "
+                                 "training run), not loaded")
         with torch.no_grad():
             for name, value in state_dict.items():
                 own[name].copy_(value)
 
     @staticmethod
     def check_memory_weights(config: TitansMemoryConfig, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                             source: str) -> None:
-        """Refuse weights that are not exactly the memory `config` describes: every name, shape and dtype (given as
-        {name: (shape, dtype)}, e.g. read from a safetensors header) against a memory built from the config on the
-        meta device. A ValueError naming `source` and the first difference."""
+                             source: str, check_dtype: bool = True) -> None:
+        """Refuse weights that are not exactly the memory `config` describes: every name, shape and (unless not
+        `check_dtype`: a full model may be saved in any dtype) dtype, given as {name: (shape, dtype)}, e.g. read
+        from a safetensors header, against a memory built from the config on the meta device. A ValueError naming
+        `source` and the first difference."""
         if config.base_shape is None:
             raise ValueError(f"{source}: the memory config records no base_shape, so its weights cannot be checked")
         shape = config.base_shape
@@ -372,7 +410,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
             raise ValueError(f"{source}: not the weights of this memory config (missing {missing[:5]}, unexpected "
                              f"{unexpected[:5]})")
         for name, param in expected.items():
-            if tuple(tensors[name][0]) != tuple(param.shape) or tensors[name][1] != param.dtype:
+            if tuple(tensors[name][0]) != tuple(param.shape) or (check_dtype and tensors[name][1] != param.dtype):
                 raise ValueError(f"{source}: {name} is {tensors[name][1]} {tuple(tensors[name][0])}, the memory "
                                  f"config makes it {param.dtype} {tuple(param.shape)}")
 
@@ -418,6 +456,19 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
             self._memory_enabled = previous
 
     # ---- forward ----
+
+    def _check_input_ids(self, input_ids: Tensor | None) -> None:
+        """Refuse, naming what is wrong, input_ids that are not a [batch, tokens >= 1] tensor of integer ids below
+        the vocabulary size (torch would say "index out of range in self", or assert on the device)."""
+        if input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError("forward: input_ids must be a [batch, tokens >= 1] LongTensor")
+        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+            raise ValueError(f"forward: input_ids must hold integer token ids, got a {input_ids.dtype} tensor")
+        vocab_size = self.config.text_config.vocab_size
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= vocab_size:
+            raise ValueError(f"forward: input_ids hold the id {low if low < 0 else high}, outside the vocabulary of "
+                             f"{vocab_size} tokens (ids 0..{vocab_size - 1}): they come from another tokenizer")
 
     @property
     def padding_multiple(self) -> int:
@@ -600,8 +651,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         `labels[b, t]`, 0 where unlabelled), what the per-chunk language-model evaluation sums.
         `position_ids` from callers are ignored: positions restart at every chunk.
         """
-        if input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] == 0:
-            raise ValueError("forward: input_ids must be a [batch, tokens >= 1] LongTensor")
+        self._check_input_ids(input_ids)
         batch_size, length = input_ids.shape
         if cache is not None and not isinstance(cache, TitansCache):
             raise ValueError(f"forward: cache must be a TitansCache, got {type(cache).__name__}")

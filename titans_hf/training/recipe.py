@@ -27,16 +27,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import datasets
 import torch
 from transformers import AutoConfig, AutoTokenizer, TrainerCallback, set_seed
 
 from titans_hf.data.babilong_builder import build_babilong
-from titans_hf.data.tokens_builder import store_data_files
+from titans_hf.data.tokens_builder import check_stores_tokenizer, store_data_files
 from titans_hf.hub import TitansMemoryConfig
 from titans_hf.modeling import TitansQwenForCausalLM
 from titans_hf.tasks.babilong import find_babilong_sources
+from titans_hf.utils import check_tokenizer_argument
 
 from .trainer import TitansTrainer, answer_exact_match
 from .training_args import TitansTrainingArguments
@@ -223,15 +225,20 @@ def load_babilong_splits(
     return train, evaluation
 
 
-def load_token_splits(data_args: DataArguments, vocab_size: int) -> tuple[datasets.Dataset, datasets.Dataset]:
+def load_token_splits(data_args: DataArguments, vocab_size: int, tokenizer: Any = None
+                      ) -> tuple[datasets.Dataset, datasets.Dataset]:
     """Train and evaluation windows of the `titans_tokens` builder: `eval_data_files` as the held-out split, else a
-    seeded `train_ratio` share of the windows. Ids at or above the model's `vocab_size` are refused."""
+    seeded `train_ratio` share of the windows. Ids at or above the model's `vocab_size` are refused, and so is a
+    store prepared with another tokenizer than `tokenizer` (by its vocabulary size and fingerprint)."""
     common = dict(train_type=data_args.train_type, window_size=data_args.window_size, stride=data_args.stride,
                   respect_document_boundaries=data_args.respect_document_boundaries, pad_tail=data_args.pad_tail,
                   vocab_size=vocab_size)
-    files = {"train": store_data_files(data_args.data_files)}
+    files = {"train": store_data_files(data_args.data_files, "--data_files")}
     if data_args.eval_data_files:
-        files["validation"] = store_data_files(data_args.eval_data_files)
+        files["validation"] = store_data_files(data_args.eval_data_files, "--eval_data_files")
+    if tokenizer is not None:
+        check_stores_tokenizer([file for split in files.values() for file in split], tokenizer,
+                               "the tokenizer of this run (--tokenizer_name_or_path, else the base's)")
     windows = datasets.load_dataset("titans_tokens", data_files=files, **common)
     train = windows["train"]
     if "validation" in windows:
@@ -254,14 +261,17 @@ def train_memory(
     callbacks: list[TrainerCallback] | None = None,
 ) -> TitansTrainer:
     """Build rows and model, train (resuming if asked), write the final memory into `output_dir`."""
+    check_tokenizer_argument(model_args.model_name_or_path, "--model_name_or_path")
     tokenizer_name = data_args.tokenizer_name_or_path or model_args.model_name_or_path
+    if data_args.tokenizer_name_or_path:
+        check_tokenizer_argument(data_args.tokenizer_name_or_path, "--tokenizer_name_or_path")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_name, trust_remote_code=False)
     # Rank 0 builds the Arrow cache; the other ranks then read it instead of racing to write it.
     with training_args.main_process_first(desc=f"building {data_args.dataset} rows"):
         if data_args.dataset == "titans_tokens":
             base_config = AutoConfig.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision,
                                                      trust_remote_code=False)
-            train_rows, eval_rows = load_token_splits(data_args, base_config.vocab_size)
+            train_rows, eval_rows = load_token_splits(data_args, base_config.vocab_size, tokenizer)
         else:
             pad_to_max_length = data_args.pad_to_max_length
             if pad_to_max_length is None:

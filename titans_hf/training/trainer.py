@@ -11,9 +11,11 @@ has any.
 
 from __future__ import annotations
 
+import fcntl
 import inspect
 import json
 import logging
+import math
 import os
 import pickle
 import shutil
@@ -39,19 +41,22 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy
 from titans_hf.data.collator import TitansDataCollator
 from titans_hf.data.sampler import ChunkCurriculumSampler, ResumableSampler, count_chunks
 from titans_hf.hub import (
+    MEMORY_CONFIG_NAME,
     MEMORY_WEIGHTS_NAME,
     TRAINABLE_BASE_WEIGHTS_NAME,
     load_memory_weights,
     push_memory_folder,
+    read_memory_config,
     save_memory_folder,
 )
-from titans_hf.utils import atomic_write_json, resolve_pad_token_id
+from titans_hf.utils import atomic_write_json, disk_full_message, resolve_pad_token_id
 
 from .training_args import TitansTrainingArguments
 
 logger = logging.getLogger(__name__)
 
 SAMPLER_STATE_NAME = "sampler_state.json"
+LOCK_NAME = ".titans_hf_train.lock"
 TRAINING_ARGS_JSON_NAME = "training_args.json"
 # Settings that make a resumed run another run when they change (the global batch among them).
 RESUME_SETTINGS = (
@@ -82,13 +87,22 @@ def gather_trainable_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def load_trainable_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], source: str) -> None:
-    """Load exactly the trainable weights (sharding them under FSDP); any mismatch is an error naming `source`."""
+    """Load exactly the trainable weights (sharding them under FSDP); any mismatch of names or shapes, and weights
+    that are not finite, are errors naming `source`."""
     expected = trainable_parameter_names(model)
     missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
     if missing or unexpected:
         raise ValueError(
             f"{source}: trainable weights do not match the model (missing {missing[:5]}, unexpected {unexpected[:5]})"
         )
+    shapes = {name: tuple(param.shape) for name, param in model.named_parameters() if name in expected}
+    for name, tensor in state_dict.items():
+        if tuple(tensor.shape) != shapes[name] and tensor.numel() != math.prod(shapes[name]):
+            raise ValueError(f"{source}: {name} is {tuple(tensor.shape)}, this model's is {shapes[name]} (other "
+                             "memory settings, e.g. memory_head_dim, than the checkpoint's)")
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"{source}: {name} holds NaN or infinite values; the checkpoint is broken (a diverged "
+                             "run), not resumed from")
     set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
@@ -224,8 +238,97 @@ class TitansTrainer(Trainer):
             if problem is not None:
                 raise ValueError(f"cannot resume from {resume_from_checkpoint}: {problem}")
         if resume_from_checkpoint:
+            self._check_resume(Path(resume_from_checkpoint))
             self._warn_about_changed_arguments(Path(resume_from_checkpoint))
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        lock = self._lock_output_dir()
+        if not resume_from_checkpoint and self.args.save_strategy != "no":
+            self._refuse_earlier_checkpoints(lock)
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            if lock is not None:
+                lock.close()  # closing the file releases the lock
+
+    def _lock_output_dir(self) -> Any:
+        """Hold `output_dir/.titans_hf_train.lock` (an flock, released when this process ends however it ends)
+        for the whole run: a second run into the same output_dir is refused, naming the lock and its holder,
+        instead of both overwriting each other's checkpoints. None on processes that do not save."""
+        if not self.is_world_process_zero():
+            return None
+        folder = Path(self.args.output_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / LOCK_NAME
+        handle = open(path, "a+", encoding="utf-8")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            raise RuntimeError(f"{path}: held by {holder}: another run is training into output_dir {folder}; two "
+                               "runs there would overwrite each other's checkpoints (give this one another "
+                               "output_dir)") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"process {os.getpid()}\n")
+        handle.flush()
+        return handle
+
+    def _refuse_earlier_checkpoints(self, lock: Any) -> None:
+        """A fresh run would replace the checkpoint-N folders of an earlier run in output_dir as it reaches each
+        step: refuse it, naming them, unless it resumes (every rank checks; the lock is released on refusal)."""
+        earlier = sorted(path.name for path in Path(self.args.output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*")
+                         if path.is_dir())
+        if earlier:
+            if lock is not None:
+                lock.close()
+            raise ValueError(f"output_dir {self.args.output_dir} holds checkpoints of an earlier run ({', '.join(earlier[:3])}"
+                             f"{', ...' if len(earlier) > 3 else ''}), which this fresh run would replace: resume it "
+                             "(resume_from_checkpoint, --resume_from_checkpoint last) or choose another output_dir")
+
+    def _check_resume(self, checkpoint: Path) -> None:
+        """Refuse a resume that would silently be another run, naming the file or setting: a missing optimizer
+        or scheduler state (a fresh optimizer and schedule), memory settings or a base that differ from the
+        checkpoint's (memory_config.json), a global_step in trainer_state.json that this run cannot have reached;
+        warn when the RNG state is missing (the run is then no longer reproducible)."""
+        for name in (OPTIMIZER_NAME, SCHEDULER_NAME):
+            if not (checkpoint / name).is_file():
+                raise ValueError(f"cannot resume from {checkpoint}: {checkpoint / name} is missing, so the optimizer "
+                                 "and learning-rate schedule would start afresh: another run, not this one resumed")
+        rng = f"rng_state_{self.args.process_index}.pth" if self.args.world_size > 1 else "rng_state.pth"
+        if not (checkpoint / rng).is_file() and self.is_world_process_zero():
+            logger.warning("%s is missing: the resumed run draws other random numbers than the interrupted one "
+                           "would have (dropout, sampling), so it is not reproducible", checkpoint / rng)
+        model = self.accelerator.unwrap_model(self.model)
+        current = getattr(model.config, "memory_config", None)
+        if current is not None and (checkpoint / MEMORY_CONFIG_NAME).is_file():
+            saved = read_memory_config(checkpoint / MEMORY_CONFIG_NAME)
+            names = [name for name in saved.setting_names() if name != "checkpoint_chunks"]
+            names += ["base_model_name_or_path", "base_shape", "base_fingerprint"]
+            changed = [f"{name} {getattr(saved, name)!r} -> {getattr(current, name)!r}" for name in names
+                       if getattr(saved, name) != getattr(current, name)]
+            if changed:
+                raise ValueError(f"cannot resume from {checkpoint}: this model differs from the checkpoint's "
+                                 f"{checkpoint / MEMORY_CONFIG_NAME}: {'; '.join(changed)}")
+        self._check_global_step(checkpoint)
+
+    def _check_global_step(self, checkpoint: Path) -> None:
+        path = checkpoint / TRAINER_STATE_NAME
+        state = json.loads(path.read_text(encoding="utf-8"))
+        step = state.get("global_step") if isinstance(state, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"cannot resume from {checkpoint}: {path} records global_step {step!r}, not a step count")
+        number = checkpoint.name.rsplit("-", 1)[-1]
+        if checkpoint.name.startswith(PREFIX_CHECKPOINT_DIR) and number.isdigit() and int(number) != step:
+            raise ValueError(f"cannot resume from {checkpoint}: {path} records global_step {step}, but the folder is "
+                             f"the checkpoint of step {number}")
+        limit = self.args.max_steps if self.args.max_steps > 0 else None
+        if limit is None and hasattr(self.train_dataset, "__len__"):
+            batches = math.ceil(len(self.train_dataset) / (self.args.per_device_train_batch_size * self.args.world_size))
+            limit = math.ceil(batches / self.args.gradient_accumulation_steps) * math.ceil(self.args.num_train_epochs)
+        if limit is not None and step > limit:
+            raise ValueError(f"cannot resume from {checkpoint}: {path} records global_step {step}, beyond the {limit} "
+                             "steps this run has (max_steps, or what its data and epochs allow)")
 
     def _warn_about_changed_arguments(self, checkpoint: Path) -> None:
         """Resuming with other settings is another run: name every setting of `RESUME_SETTINGS` that changed."""
@@ -295,7 +398,15 @@ class TitansTrainer(Trainer):
             if self._train_sampler is not None:
                 atomic_write_json(folder / SAMPLER_STATE_NAME, self._train_sampler.state_dict())
         self.accelerator.wait_for_everyone()
-        super()._save_checkpoint(model, trial)
+        try:
+            super()._save_checkpoint(model, trial)
+        except OSError as error:
+            message = disk_full_message(error, f"checkpoint {folder}")
+            if message is None:
+                raise
+            if self.args.should_save:
+                shutil.rmtree(folder, ignore_errors=True)  # a cut-short checkpoint must not be resumed from
+            raise OSError(error.errno, message) from error
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self.is_fsdp_enabled:

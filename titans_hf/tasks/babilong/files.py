@@ -24,6 +24,10 @@ from typing import Any, Sequence
 from titans_hf.utils import atomic_write_text
 
 REQUIRED_FIELDS = ("input", "question", "target")
+# The most characters a row's field may hold: a BABILong row of ~4M tokens. Tokenizing text takes about 130 bytes
+# per character (measured: 7.9 GB for 60M characters), so a few kB of compressed parquet declaring one huge row
+# would otherwise exhaust the machine (seen: exit 134). Checked from the parquet metadata before any row is read.
+MAX_ROW_CHARACTERS = 1 << 24
 ROW_SUFFIXES = (".json", ".jsonl", ".parquet")
 
 _LENGTH_LABEL = re.compile(r"(\d+)([kKM]?)")
@@ -204,6 +208,7 @@ def _checked_rows(records: Sequence[Any], path: Path) -> list[dict[str, str]]:
         rows.append({field: record[field] for field in REQUIRED_FIELDS})
     if not rows:
         raise ValueError(f"BABILong file {path} holds no rows")
+    _check_row_sizes(rows, path)
     return rows
 
 
@@ -262,6 +267,39 @@ def _parquet_column(table, name: str, path: Path) -> list[str]:
     return values
 
 
+def _check_parquet_sizes(metadata, path: Path) -> None:
+    """Refuse, from the file's metadata alone, a parquet file whose rows would be larger than MAX_ROW_CHARACTERS
+    once decompressed (a row group's uncompressed bytes over its rows bound a row's size from below), or that holds
+    no rows; nothing is decompressed before this."""
+    if metadata.num_rows == 0:
+        raise ValueError(f"BABILong file {path} holds no rows (a parquet file of 0 rows)")
+    names = metadata.schema.names
+    for group_index in range(metadata.num_row_groups):
+        group = metadata.row_group(group_index)
+        for column_index in range(group.num_columns):
+            column = group.column(column_index)
+            name = column.path_in_schema
+            if name not in REQUIRED_FIELDS and names[column_index] not in REQUIRED_FIELDS:
+                continue
+            per_row = column.total_uncompressed_size / max(group.num_rows, 1)
+            if per_row > MAX_ROW_CHARACTERS:
+                raise ValueError(f"BABILong file {path}: column {name!r} of row group {group_index} holds "
+                                 f"{column.total_uncompressed_size} bytes uncompressed for {group.num_rows} row(s), "
+                                 f"over {MAX_ROW_CHARACTERS} characters a row: rows that long are not read (tokenizing "
+                                 "them would take gigabytes of memory)")
+
+
+def _check_row_sizes(rows: Sequence[dict[str, str]], path: Path) -> None:
+    """Refuse a row whose field is longer than MAX_ROW_CHARACTERS, naming the file and row (after reading, before
+    any tokenization)."""
+    for index, row in enumerate(rows):
+        for field in REQUIRED_FIELDS:
+            if len(row[field]) > MAX_ROW_CHARACTERS:
+                raise ValueError(f"BABILong file {path}, row {index} (0-based): field {field!r} holds "
+                                 f"{len(row[field])} characters, over {MAX_ROW_CHARACTERS}: rows that long are not "
+                                 "read (tokenizing them would take gigabytes of memory)")
+
+
 def read_babilong_parquet(path: str | Path) -> list[dict[str, str]]:
     """Rows of a BABILong parquet file (the Hub sets' ``<length>/<task>-0000i-of-0000n.parquet``).
 
@@ -279,6 +317,7 @@ def read_babilong_parquet(path: str | Path) -> list[dict[str, str]]:
         missing = [field for field in REQUIRED_FIELDS if field not in schema.names]
         if missing:
             raise ValueError(f"BABILong file {path}: missing column(s) {missing} (it has {schema.names})")
+        _check_parquet_sizes(pq.ParquetFile(path).metadata, path)
         table = pq.read_table(path, columns=list(REQUIRED_FIELDS))
     except pyarrow.ArrowException as error:
         raise ValueError(f"BABILong file {path} is not a readable parquet file: {error}") from error

@@ -14,14 +14,19 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from titans_hf.data.stores import STORE_WRITERS, output_format, replaceable_store_problem, token_dtype
-from titans_hf.utils import atomic_write
+from titans_hf.data.stores import (
+    STORE_WRITERS,
+    output_format,
+    replaceable_store_problem,
+    token_dtype,
+    tokenizer_fingerprint,
+)
+from titans_hf.utils import atomic_write, remove_path, replace_outputs
 
 from .generate import RecallDocument
 
@@ -93,18 +98,13 @@ def check_store_output(output: Path, overwrite: bool) -> None:
         raise ValueError(f"{output}: will not replace it, even with overwrite: {problem}, so it is not a token store")
 
 
-def build_recall_eval_store(documents: Iterable[RecallDocument] | str | Path, output: str | Path, tokenizer: Any,
-                            overwrite: bool = False) -> Path:
-    """An `sft`-type store at `output` (`.h5` file, else a bin directory) of the documents (or a `.jsonl` of
-    them): `sequence` the tokens `prepare` writes for their text, `loss_mask` 1 on the recalled values' tokens.
-    `tokenizer`: a name or path for `AutoTokenizer` (recorded in the store's metadata), or a loaded tokenizer."""
-    if isinstance(documents, (str, Path)):
-        documents = read_recall_jsonl(documents)
-    output = Path(output)
-    check_store_output(output, overwrite)
+def write_recall_eval_store(documents: Iterable[RecallDocument], output: Path, tokenizer: Any) -> Path:
+    """Write the eval store of `documents` for `output` under a temporary name beside it and return that name
+    (the caller renames it into place, `titans_hf.utils.replace_outputs`); nothing is left when it fails."""
     name = str(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else getattr(tokenizer, "name_or_path", None)
     tokenizer = _load_tokenizer(tokenizer)
     metadata = {"train_type": "sft", "tokenizer": name, "vocab_size": len(tokenizer),
+                "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
                 "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
     dtypes = {"sequence": token_dtype(len(tokenizer)), "loss_mask": np.uint8}
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -118,15 +118,26 @@ def build_recall_eval_store(documents: Iterable[RecallDocument] | str | Path, ou
             written += 1
         if not written:
             raise ValueError(f"{output}: no documents to write")
-        temporary = writer.finish()
+        return writer.finish()
     except BaseException:
         writer.abort()
         raise
-    check_store_output(output, overwrite)  # again: something may have appeared there meanwhile
-    if output.exists():
-        if output.is_dir():
-            shutil.rmtree(output)
-        else:
-            output.unlink()
-    os.replace(temporary, output)
+
+
+def build_recall_eval_store(documents: Iterable[RecallDocument] | str | Path, output: str | Path, tokenizer: Any,
+                            overwrite: bool = False) -> Path:
+    """An `sft`-type store at `output` (`.h5` file, else a bin directory) of the documents (or a `.jsonl` of
+    them): `sequence` the tokens `prepare` writes for their text, `loss_mask` 1 on the recalled values' tokens.
+    `tokenizer`: a name or path for `AutoTokenizer` (recorded in the store's metadata), or a loaded tokenizer."""
+    if isinstance(documents, (str, Path)):
+        documents = read_recall_jsonl(documents)
+    output = Path(output)
+    check_store_output(output, overwrite)
+    temporary = write_recall_eval_store(documents, output, tokenizer)
+    try:
+        check_store_output(output, overwrite)  # again: something may have appeared there meanwhile
+        replace_outputs([temporary], [output])
+    except BaseException:
+        remove_path(temporary)
+        raise
     return output
