@@ -135,31 +135,75 @@ def test_generate_equals_recomputing_forward_each_step(tiny_qwen2_dir, variant):
         assert torch.equal(out.sequences[:, 13 + step], logits.argmax(-1))
 
 
+def left_padded(rows: list[torch.Tensor], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch as `tokenizer(..., padding=True)` with padding_side="left" builds it (pad id 0)."""
+    batch = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for index, row in enumerate(rows):
+        batch[index, width - len(row):], mask[index, width - len(row):] = row, 1
+    return batch, mask
+
+
+@pytest.mark.parametrize("attend_previous_chunk", [True, False])
 @pytest.mark.parametrize("variant", ["mag", "mal", "mac"])
-def test_left_padding_by_whole_chunks_answers_as_the_row_alone(tiny_qwen3_dir, variant):
-    """Rows of 13, 21 and 29 tokens (chunks of 8, shorter than every prompt) in one left-padded batch: every
-    row's greedy answer equals that of the row alone, its logits too (to float order); padding that would move its
-    chunks is refused."""
-    model = build(tiny_qwen3_dir, **VARIANT_SETTINGS[variant])
-    assert model.padding_multiple == 8
+def test_any_left_padding_answers_as_the_row_alone(tiny_qwen3_dir, variant, attend_previous_chunk):
+    """Rows of 5, 13, 18, 26 and 31 tokens (chunks of 8, memory updates of 4) left-padded to 33 tokens, so every row
+    starts at another place of the chunk cycle (padding 28, 20, 15, 7, 2): forward, the streaming cache fed in
+    pieces and generate answer every row as the row alone (logits to 1e-5, greedy tokens equal), its labels'
+    losses too."""
+    model = build(tiny_qwen3_dir, **VARIANT_SETTINGS[variant], attend_previous_chunk=attend_previous_chunk)
     vocab = model.config.text_config.vocab_size
-    rows = [random_ids(vocab, (1, length), seed=length)[0] for length in (13, 21, 29)]
-    batch = torch.zeros(3, 29, dtype=torch.long)
-    mask = torch.zeros(3, 29, dtype=torch.long)
-    for index, row in enumerate(rows):
-        batch[index, 29 - len(row):], mask[index, 29 - len(row):] = row, 1
-    batched = model.generate(batch, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    rows = [random_ids(vocab, (1, length), seed=length)[0] for length in (5, 13, 18, 26, 31)]
+    batch, mask = left_padded(rows, 33)
+    labels = torch.where(mask.bool(), batch, -100)
     with torch.no_grad():
-        logits = model(batch, attention_mask=mask).logits[:, -1]
+        out = model(batch, attention_mask=mask, labels=labels, logits_to_keep=33, return_token_losses=True)
+        cache, pieces = TitansCache(model.config), []
+        # the first piece holds every row's first token (where its chunks start), the later ones any split
+        for start, end in [(0, 29), (29, 30), (30, 33)]:
+            pieces.append(model(batch[:, start:end], attention_mask=mask[:, :end], cache=cache).logits)
+        streamed = torch.cat(pieces, dim=1)
+    batched = model.generate(batch, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                             output_scores=True, return_dict_in_generate=True)
+    total, count = 0.0, 0
     for index, row in enumerate(rows):
-        alone = model.generate(row[None], attention_mask=torch.ones(1, len(row), dtype=torch.long),
-                               max_new_tokens=5, do_sample=False, pad_token_id=0)
-        assert torch.equal(batched[index, 29:], alone[0, len(row):])
-        with torch.no_grad():  # equal up to the float order of a batched matmul
-            torch.testing.assert_close(logits[index], model(row[None]).logits[0, -1], atol=1e-5, rtol=1e-5)
-    mask[0, 16:19] = 0  # row 0 now starts after 19 padding tokens
-    with pytest.raises(ValueError, match="row 0 starts with 19 padding tokens.*multiple of padding_multiple=8"):
-        model(batch, attention_mask=mask)
+        real = slice(33 - len(row), 33)
+        with torch.no_grad():
+            alone = model(row[None], labels=row[None], logits_to_keep=len(row), return_token_losses=True)
+        torch.testing.assert_close(out.logits[index, real], alone.logits[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(streamed[index, real], alone.logits[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out.token_losses[index, real], alone.token_losses[0], atol=1e-5, rtol=1e-5)
+        total, count = total + alone.token_losses.sum(), count + len(row) - 1
+        single = model.generate(row[None], max_new_tokens=6, do_sample=False, pad_token_id=0, output_scores=True,
+                                return_dict_in_generate=True)
+        assert torch.equal(batched.sequences[index, 33:], single.sequences[0, len(row):])
+        for step in range(6):
+            torch.testing.assert_close(batched.scores[step][index], single.scores[step][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.loss, total / count, atol=1e-5, rtol=1e-5)  # the first tokens predict nothing
+    assert [(group.phase, group.rows.tolist()) for group in batched.cache.phase_groups] == [
+        (2, [4]), (4, [0, 1]), (7, [2, 3])]  # padding 28, 20, 15, 7, 2 by phase (8 tokens a cycle)
+
+
+def test_left_padded_beams_and_samples_stay_with_their_rows(tiny_qwen3_dir):
+    """Beam search and several returned sequences reorder and repeat the rows of a left-padded batch's cache: each
+    row's beams equal those of the row alone."""
+    model = build(tiny_qwen3_dir)
+    vocab = model.config.text_config.vocab_size
+    rows = [random_ids(vocab, (1, length), seed=length)[0] for length in (6, 11)]
+    batch, mask = left_padded(rows, 11)
+    settings = dict(max_new_tokens=4, num_beams=3, num_return_sequences=2, do_sample=False, pad_token_id=0)
+    batched = model.generate(batch, attention_mask=mask, **settings)
+    for index, row in enumerate(rows):
+        alone = model.generate(row[None], **settings)
+        assert torch.equal(batched[2 * index: 2 * index + 2, 11:], alone[:, len(row):])
+
+
+def test_an_empty_row_in_the_first_piece_of_a_cache_is_refused(tiny_qwen3_dir):
+    model = build(tiny_qwen3_dir)
+    batch, mask = left_padded([torch.tensor([5, 6, 7])], 3)
+    mask[0] = 0
+    with pytest.raises(ValueError, match="row 0 has no real token in the first piece given to an empty cache"):
+        model(batch, attention_mask=mask, cache=TitansCache(model.config))
 
 
 def test_prefill_holds_one_chunk_whatever_the_prompt_length(tiny_qwen3_dir):
