@@ -322,7 +322,8 @@ def test_save_memory_then_load_gives_identical_logits(tmp_path, tiny_qwen3_dir, 
     model = build(tiny_qwen3_dir, **VARIANT_SETTINGS["mac"])
     ids = random_ids(model.config.text_config.vocab_size, (2, 20), seed=7)
     model.save_memory(tmp_path / "memory")
-    assert sorted(p.name for p in (tmp_path / "memory").iterdir()) == ["memory_config.json", "memory_model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "memory").iterdir()) == ["config.json", "memory_config.json",
+                                                                   "memory_model.safetensors"]
     saved = json.loads((tmp_path / "memory" / "memory_config.json").read_text())
     assert saved["base_model_name_or_path"] == str(tiny_qwen3_dir)
     assert saved["variant"] == "mac" and saved["base_shape"]["model_type"] == "qwen3"
@@ -344,7 +345,8 @@ def test_save_memory_then_load_gives_identical_logits(tmp_path, tiny_qwen3_dir, 
 def test_full_save_pretrained_round_trips_through_auto_classes(tmp_path, tiny_qwen3_dir):
     model = build(tiny_qwen3_dir)
     model.save_pretrained(tmp_path / "memory")  # a frozen base: the memory alone, as PEFT saves an adapter
-    assert sorted(p.name for p in (tmp_path / "memory").iterdir()) == ["memory_config.json", "memory_model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "memory").iterdir()) == ["config.json", "memory_config.json",
+                                                                   "memory_model.safetensors"]
     model.save_pretrained(tmp_path / "full", save_full_model=True)
     assert AutoConfig.from_pretrained(tmp_path / "full").model_type == "titans_qwen"
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "full").eval()

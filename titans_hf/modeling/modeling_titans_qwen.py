@@ -14,6 +14,7 @@ alone (see `titans_hf.hub`).
 
 import contextlib
 import functools
+import json
 import math
 import os
 import tempfile
@@ -48,6 +49,8 @@ from .variants import MEMORY_VARIANTS, TitansMemoryBlock
 BASE_PREFIXES = ("model.", "lm_head.")
 # What the Hub download of a memory takes; everything else goes to the base's from_pretrained.
 HUB_KWARGS = ("token", "cache_dir", "local_files_only")
+# What the Auto classes and pipelines add to a model's from_pretrained; a memory's base never sees them.
+AUTO_KWARGS = ("_from_auto", "_from_pipeline", "adapter_kwargs", "trust_remote_code")
 
 
 def _memory_blocks(config: TitansQwenConfig) -> nn.ModuleDict:
@@ -312,6 +315,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         config = TitansQwenConfig(text_config=backbone.config, memory_config=memory)
         # building the config resets its sub-config's attention choice; keep the one the backbone was loaded with
         config._attn_implementation = attention
+        config.name_or_path = name  # what TRL and PEFT read as the base's name
         model = cls(config, backbone=backbone)
         model.to(backbone.device)
         model.generation_config = backbone.generation_config
@@ -365,9 +369,19 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *args: Any,
                         **kwargs: Any) -> "TitansQwenForCausalLM":
         """A memory folder or Hub repository (its `memory_config.json` names the base, which is loaded first; see
-        `from_base_and_memory` for the keyword arguments), or a full model saved with `save_full_model=True`."""
+        `from_base_and_memory` for the keyword arguments), or a full model saved with `save_full_model=True`.
+
+        `AutoModelForCausalLM.from_pretrained` and `pipeline` arrive here through the folder's `config.json`; what
+        they add (the config they read from it, their own markers, `trust_remote_code`) does not reach the base,
+        which always loads with `trust_remote_code=False`."""
         hub = {key: kwargs[key] for key in HUB_KWARGS if key in kwargs}
         if not args and is_memory(pretrained_model_name_or_path, revision=kwargs.get("revision"), **hub):
+            config = kwargs.pop("config", None)
+            if config is not None and not isinstance(config, TitansQwenConfig):
+                raise ValueError(f"from_pretrained: config must be a TitansQwenConfig for a memory, got "
+                                 f"{type(config).__name__}")
+            for key in AUTO_KWARGS:
+                kwargs.pop(key, None)
             return cls.from_base_and_memory(None, pretrained_model_name_or_path, **kwargs)
         # loading swaps in new Parameter objects, which forget the freeze applied in __init__
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
@@ -427,11 +441,22 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         if save_full_model or not self.config.memory_config.freeze_base:
             super().save_pretrained(save_directory, *args, **kwargs)
             return
-        save_memory_folder(save_directory, self.config.memory_config, self.memory_state_dict())
+        self.save_memory(save_directory)
 
     def save_memory(self, save_directory: str | os.PathLike) -> Path:
         """The memory alone, whatever `freeze_base` says."""
-        return save_memory_folder(save_directory, self.config.memory_config, self.memory_state_dict())
+        return save_memory_folder(save_directory, self.config.memory_config, self.memory_state_dict(),
+                                  model_config=self.memory_folder_config())
+
+    def memory_folder_config(self) -> dict[str, Any]:
+        """The `config.json` of a memory folder: this model's config (the base's config as `text_config`, the
+        memory settings), by which `AutoConfig` and `AutoModelForCausalLM` recognise the folder; no local path in it.
+        Loading reads the memory from `memory_config.json` and the base from the base itself."""
+        values = json.loads(self.config.to_json_string(use_diff=True))
+        values["architectures"] = [type(self).__name__]
+        values.pop("_name_or_path", None)
+        values["text_config"].pop("_name_or_path", None)
+        return values
 
     def push_to_hub(self, repo_id: str, *args: Any, push_full_model: bool = False, token: str | None = None,
                     private: bool | None = None, commit_message: str | None = None, results: dict | None = None,
