@@ -481,3 +481,66 @@ def test_previous_chunk_window_keys_move_as_rope_composes(tiny_qwen3_dir):
 
     torch.testing.assert_close(model._move_keys(rotated(list(range(8, 13))), -8), rotated(list(range(5))),
                                atol=1e-5, rtol=1e-5)
+
+
+def test_to_half_precision_keeps_the_memory_in_float32(tiny_qwen3_dir):
+    """model.to(torch.bfloat16) casts the base and leaves the memory fp32 (as from_base(dtype=...) and loading
+    do): the same model as casting the base's modules alone; float() and double() cast the memory too."""
+    cast = build(tiny_qwen3_dir, **VARIANT_SETTINGS["mac"])
+    reference = build(tiny_qwen3_dir, **VARIANT_SETTINGS["mac"])
+    reference.model.to(torch.bfloat16), reference.lm_head.to(torch.bfloat16)
+    memory = {name: p.clone() for name, p in cast.memory_state_dict().items()}
+    assert cast.to(torch.bfloat16) is cast
+    assert cast.model.embed_tokens.weight.dtype == torch.bfloat16 and cast.lm_head.weight.dtype == torch.bfloat16
+    assert all(torch.equal(p, memory[name]) for name, p in cast.memory_state_dict().items())  # untouched, fp32
+    assert cast.persistent_tokens.dtype == torch.float32
+    ids = random_ids(cast.config.text_config.vocab_size, (2, 20), seed=4)
+    with torch.no_grad():
+        assert torch.equal(cast(ids).logits, reference(ids).logits)
+    cast.half()
+    assert cast.model.norm.weight.dtype == torch.float16 and cast.memory["1"].output_weight.dtype == torch.float32
+    cast.double()
+    assert cast.memory["1"].output_weight.dtype == torch.float64
+
+
+def test_hidden_states_are_the_chunked_runs_per_layer(tiny_qwen3_dir):
+    """output_hidden_states: embeddings and every layer's output over the whole input, chunk after chunk (an
+    untrained mag: exactly the base's on each chunk alone, the last one normed); with a memory and left padding,
+    each row's equal its own alone."""
+    base = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir).eval()
+    plain = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, **SMALL_MEMORY, attend_previous_chunk=False).eval()
+    ids = random_ids(base.config.vocab_size, (2, 20), seed=5)
+    with torch.no_grad():
+        ours = plain(ids, output_hidden_states=True).hidden_states
+        pieces = [base(ids[:, s: s + 8], output_hidden_states=True).hidden_states for s in range(0, 20, 8)]
+    assert len(ours) == base.config.num_hidden_layers + 1
+    for index, hidden in enumerate(ours):
+        assert torch.equal(hidden, torch.cat([piece[index] for piece in pieces], dim=1))
+    assert plain(ids).hidden_states is None
+
+    model = build(tiny_qwen3_dir)
+    rows = [random_ids(model.config.text_config.vocab_size, (1, length), seed=length)[0] for length in (7, 19)]
+    batch, mask = left_padded(rows, 19)
+    with torch.no_grad():
+        batched = model(batch, attention_mask=mask, output_hidden_states=True).hidden_states
+        for index, row in enumerate(rows):
+            alone = model(row[None], output_hidden_states=True).hidden_states
+            for layer, hidden in enumerate(alone):
+                torch.testing.assert_close(batched[layer][index, 19 - len(row):], hidden[0], atol=1e-5, rtol=1e-5)
+
+
+def test_inputs_embeds_equal_input_ids(tiny_qwen3_dir):
+    """forward and generate take the tokens' embeddings in place of their ids, left padding included."""
+    model = build(tiny_qwen3_dir, **VARIANT_SETTINGS["mac"])
+    vocab = model.config.text_config.vocab_size
+    batch, mask = left_padded([random_ids(vocab, (1, length), seed=length)[0] for length in (9, 14)], 14)
+    embeds = model.get_input_embeddings()(batch)
+    with torch.no_grad():
+        torch.testing.assert_close(model(inputs_embeds=embeds, attention_mask=mask).logits,
+                                   model(batch, attention_mask=mask).logits, atol=0, rtol=0)
+    settings = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(inputs_embeds=embeds, **settings), model.generate(batch, **settings)[:, 14:])
+    with pytest.raises(ValueError, match="exactly one of input_ids and inputs_embeds"):
+        model(batch, inputs_embeds=embeds)
+    with pytest.raises(ValueError, match=r"inputs_embeds must be a \[batch, tokens >= 1, 64\] float tensor"):
+        model(inputs_embeds=embeds[..., :10])

@@ -271,6 +271,23 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
             self.model.requires_grad_(False)
             self.lm_head.requires_grad_(False)
 
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> "TitansQwenForCausalLM":
+        """`to`, `half`, `bfloat16`, `cuda`, ... as on any module, except that a cast to float16 / bfloat16 leaves
+        the memory (`_keep_in_fp32_modules_strict`) in float32 (moved to the same device): what `from_base(dtype=)`
+        and loading do, since its small, slowly accumulating steps vanish in half precision. `float()` and
+        `double()` cast it too."""
+        probe = fn(torch.zeros(1))  # what fn makes of a float32 tensor: the target device and dtype
+        if probe.dtype not in (torch.float16, torch.bfloat16):
+            return super()._apply(fn, recurse)
+        kept = set()
+        for name in self._keep_in_fp32_modules_strict:
+            part = getattr(self, name, None)
+            tensors = [part] if isinstance(part, Tensor) else [] if part is None else [*part.parameters(),
+                                                                                        *part.buffers()]
+            kept.update(id(t) for t in tensors)
+            kept.update(id(t.grad) for t in tensors if t.grad is not None)
+        return super()._apply(lambda t: t.to(probe.device) if id(t) in kept else fn(t), recurse)
+
     # ---- construction, loading, saving ----
 
     @classmethod
