@@ -85,11 +85,11 @@ class TitansMemoryConfig:
         "help": "Decoder layers that get a memory (default: the middle layer, the one a frozen base learned to use "
                 "fastest)."})
     variant: str = field(default="mag", metadata={
-        "help": "How the memory joins its layer: a key of MEMORY_VARIANTS in titans_hf/modeling/variants.py "
-                "(mag: gated branch beside the layer; mal: on the residual stream before it; mac: memory tokens "
-                "prefix each chunk)."})
+        "help": "How the memory joins its layer: mag (a gated branch beside the layer), mal (on the residual "
+                "stream before it) or mac (memory tokens in front of each chunk)."})
     memory_model: str = field(default="mlp", metadata={
-        "help": "What the memory is: a key of MEMORY_MODELS in titans_hf/modeling/memory.py."})
+        "help": "What the memory is: mlp (an MLP of memory_depth layers with a residual, whose weights learn at "
+                "test time)."})
     memory_num_heads: int | None = field(default=None, metadata={
         "help": "Memory heads (default: hidden size // memory_head_dim); small heads keep the fast weights cheap."})
     memory_head_dim: int = field(default=64, metadata={"help": "Size of one memory head."})
