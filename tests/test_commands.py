@@ -34,7 +34,7 @@ def parse(*argv: str):
 def test_help_says_what_each_command_does_for_the_user(run_cli):
     result = run_cli("--help")
     assert result.returncode == 0
-    for command in ("prepare", "babilong", "recall", "train", "eval", "push", "demo"):
+    for command in ("prepare", "babilong", "recall", "train", "eval", "lm-eval", "push", "demo"):
         assert f"    {command} " in result.stdout
     assert "thin parser" not in result.stdout and "long-term memory" in result.stdout
     prepare = run_cli("prepare", "--help").stdout
@@ -91,7 +91,8 @@ def test_one_version_everywhere(run_cli):
     assert script.value == "titans_hf.commands:cli"
 
 
-@pytest.mark.parametrize("command", ["prepare", "eval", "babilong generate", "recall generate", "push", "demo"])
+@pytest.mark.parametrize("command", ["prepare", "eval", "lm-eval", "babilong generate", "recall generate", "push",
+                                     "demo"])
 def test_every_command_has_help(run_cli, command):
     result = run_cli(*command.split(), "--help")
     assert result.returncode == 0 and result.stdout.startswith(f"usage: titans-hf {command}")

@@ -10,10 +10,10 @@ from huggingface_hub.errors import OfflineModeIsEnabled
 
 from titans_hf import __version__
 
-from . import babilong, demo, evaluate, prepare, push, recall, train
+from . import babilong, demo, evaluate, lm_harness, prepare, push, recall, train
 from .arguments import one_spelling
 
-SUBCOMMANDS = (prepare, babilong, recall, train, evaluate, push, demo)
+SUBCOMMANDS = (prepare, babilong, recall, train, evaluate, lm_harness, push, demo)
 DESCRIPTION = ("Give a pretrained Qwen a Titans long-term memory, so it reads inputs far longer than its attention "
                "window, and measure what the memory buys.")
 EPILOG = ("`titans-hf COMMAND --help` says what each flag does. Every flag takes both spellings (--window-size and "
