@@ -232,7 +232,7 @@ def read_memory_config(path: str | os.PathLike) -> TitansMemoryConfig:
 
 def read_model_config(path: str | os.PathLike) -> dict[str, Any]:
     """A memory folder's `config.json` as the Auto classes read it: a JSON object of `model_type` titans_qwen with
-    the base's `text_config`; anything else is a ValueError naming the file."""
+    the base's `text_config` and no `auto_map`; anything else is a ValueError naming the file."""
     path = Path(path)
     try:
         values = json.loads(path.read_text(encoding="utf-8"))
@@ -242,6 +242,8 @@ def read_model_config(path: str | os.PathLike) -> dict[str, Any]:
             values.get("text_config"), dict):
         raise ValueError(f"{path}: a memory folder's {MODEL_CONFIG_NAME} is a JSON object with model_type "
                          f"{MODEL_TYPE!r} and the base's text_config")
+    if "auto_map" in values or "auto_map" in values["text_config"]:
+        raise ValueError(f"{path}: names code to run (auto_map); a memory's config never does")
     return values
 
 
