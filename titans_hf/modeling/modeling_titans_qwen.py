@@ -709,8 +709,9 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         concatenated, the memory's contribution included; the last one normed), as a Qwen model does.
 
         Each row's chunks start at its own first real token, so a row left-padded by any amount answers as it does
-        alone (rows at different places of the chunk cycle run as separate batches: see `padding_multiple`); the
-        logits and hidden states of a row's leading padding are zeros there, and padding positions predict no label.
+        alone (rows at different places of the chunk cycle run as separate batches: see `padding_multiple`);
+        logits and hidden states at padding positions mean nothing (zeros where a row's batch starts after them),
+        and padding positions predict no label.
         `position_ids` from callers are ignored: positions restart at every chunk.
         """
         if (input_ids is None) == (inputs_embeds is None):
