@@ -42,6 +42,30 @@ def test_a_linked_weights_file_is_not_uploaded(hub, hub_token, memory_folder, tm
     assert hub.requests == []
 
 
+@pytest.mark.parametrize("change, message", [
+    ("link", r"config\.json: is a link"),
+    ("model_type", r"config\.json: a memory folder's config\.json is a JSON object with model_type 'titans_qwen'"),
+    ("auto_map", r"config\.json: names code to run \(auto_map\)"),
+])
+def test_a_config_json_that_is_not_the_memorys_is_not_uploaded(hub, hub_token, memory_folder, tmp_path, change,  # noqa: F811
+                                                               message):
+    """The Auto classes' config.json goes up beside the memory only as the model wrote it: no link, no other model
+    type, no code named in it."""
+    path = memory_folder / "config.json"
+    values = json.loads(path.read_text())
+    if change == "link":
+        (tmp_path / "elsewhere.json").write_text(path.read_text())
+        path.unlink()
+        path.symlink_to(tmp_path / "elsewhere.json")
+    elif change == "model_type":
+        path.write_text(json.dumps({**values, "model_type": "qwen3"}))
+    else:
+        path.write_text(json.dumps({**values, "auto_map": {"AutoModelForCausalLM": "evil--modeling.Evil"}}))
+    with pytest.raises(ValueError, match=message):
+        push(memory_folder, hub, hub_token)
+    assert hub.requests == []
+
+
 def test_weights_that_are_not_the_configs_memory_are_not_uploaded(hub, hub_token, memory_folder):  # noqa: F811
     weights = memory_folder / "memory_model.safetensors"
     full = memory_model(MEMORY_CONFIG).state_dict()  # the whole model, base included

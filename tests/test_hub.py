@@ -47,7 +47,7 @@ RESULTS = {
     }
 }
 REPO_ID = "someone/qwen3-titans-memory"
-HUB_FILES = {"memory_model.safetensors", "memory_config.json", "README.md"}
+HUB_FILES = {"memory_model.safetensors", "memory_config.json", "config.json", "README.md"}
 
 
 class HubStub:
@@ -365,7 +365,11 @@ def test_push_uploads_exactly_the_memory_files_and_the_rendered_card(hub, hub_to
     assert commit["files"]["memory_config.json"] == before["memory_config.json"]
     assert commit["files"]["README.md"].decode() == render_memory_card(MEMORY_CONFIG, RESULTS, repo_id=REPO_ID)
     # The weights travelled through LFS (as on the Hub), the small text files inline.
-    assert commit["kinds"] == {"memory_model.safetensors": "lfsFile", "memory_config.json": "file", "README.md": "file"}
+    assert commit["kinds"] == {"memory_model.safetensors": "lfsFile", "memory_config.json": "file",
+                               "config.json": "file", "README.md": "file"}
+    # the Auto classes' config.json: the model type, the base's config, the same memory settings
+    pushed_config = json.loads(commit["files"]["config.json"])
+    assert pushed_config["model_type"] == "titans_qwen" and pushed_config["memory_config"] == MEMORY_CONFIG.to_dict()
     assert list(hub.lfs_storage.values()) == [before["memory_model.safetensors"]]
     assert hub.authorizations and set(hub.authorizations) == {f"Bearer {hub_token}"}
     assert _snapshot(memory_folder) == before
@@ -581,6 +585,16 @@ def test_a_pushed_memory_loads_by_repo_id_in_a_fresh_process(hub, hub_token, tin
     model.push_to_hub(REPO_ID, token=hub_token, base_model=BASE_REPO_ID)
     assert set(hub.files[REPO_ID]) == HUB_FILES
     assert json.loads(hub.files[REPO_ID]["memory_config.json"])["base_model_name_or_path"] == BASE_REPO_ID
+    pushed_config = json.loads(hub.files[REPO_ID]["config.json"])
+    assert pushed_config["memory_config"]["base_model_name_or_path"] == BASE_REPO_ID
+    assert str(tiny_qwen3_dir) not in hub.files[REPO_ID]["config.json"].decode()  # no local path goes public
+    # the Auto class loads the repository as the model class does: the base it names, then the memory
+    from transformers import AutoModelForCausalLM
+
+    auto = AutoModelForCausalLM.from_pretrained(REPO_ID)
+    assert type(auto) is TitansQwenForCausalLM and auto.config.name_or_path == BASE_REPO_ID
+    with torch.no_grad():
+        assert torch.equal(auto.eval()(torch.tensor([ids])).logits, expected)
 
     script = LOAD_AND_RUN.format(snippet=_card_snippet(hub.files[REPO_ID]["README.md"].decode()))
     online = _run_fresh(script, ids, hub, tmp_path / "hf_home", offline=False)

@@ -135,31 +135,75 @@ def test_generate_equals_recomputing_forward_each_step(tiny_qwen2_dir, variant):
         assert torch.equal(out.sequences[:, 13 + step], logits.argmax(-1))
 
 
+def left_padded(rows: list[torch.Tensor], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch as `tokenizer(..., padding=True)` with padding_side="left" builds it (pad id 0)."""
+    batch = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for index, row in enumerate(rows):
+        batch[index, width - len(row):], mask[index, width - len(row):] = row, 1
+    return batch, mask
+
+
+@pytest.mark.parametrize("attend_previous_chunk", [True, False])
 @pytest.mark.parametrize("variant", ["mag", "mal", "mac"])
-def test_left_padding_by_whole_chunks_answers_as_the_row_alone(tiny_qwen3_dir, variant):
-    """Rows of 13, 21 and 29 tokens (chunks of 8, shorter than every prompt) in one left-padded batch: every
-    row's greedy answer equals that of the row alone, its logits too (to float order); padding that would move its
-    chunks is refused."""
-    model = build(tiny_qwen3_dir, **VARIANT_SETTINGS[variant])
-    assert model.padding_multiple == 8
+def test_any_left_padding_answers_as_the_row_alone(tiny_qwen3_dir, variant, attend_previous_chunk):
+    """Rows of 5, 13, 18, 26 and 31 tokens (chunks of 8, memory updates of 4) left-padded to 33 tokens, so every row
+    starts at another place of the chunk cycle (padding 28, 20, 15, 7, 2): forward, the streaming cache fed in
+    pieces and generate answer every row as the row alone (logits to 1e-5, greedy tokens equal), its labels'
+    losses too."""
+    model = build(tiny_qwen3_dir, **VARIANT_SETTINGS[variant], attend_previous_chunk=attend_previous_chunk)
     vocab = model.config.text_config.vocab_size
-    rows = [random_ids(vocab, (1, length), seed=length)[0] for length in (13, 21, 29)]
-    batch = torch.zeros(3, 29, dtype=torch.long)
-    mask = torch.zeros(3, 29, dtype=torch.long)
-    for index, row in enumerate(rows):
-        batch[index, 29 - len(row):], mask[index, 29 - len(row):] = row, 1
-    batched = model.generate(batch, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    rows = [random_ids(vocab, (1, length), seed=length)[0] for length in (5, 13, 18, 26, 31)]
+    batch, mask = left_padded(rows, 33)
+    labels = torch.where(mask.bool(), batch, -100)
     with torch.no_grad():
-        logits = model(batch, attention_mask=mask).logits[:, -1]
+        out = model(batch, attention_mask=mask, labels=labels, logits_to_keep=33, return_token_losses=True)
+        cache, pieces = TitansCache(model.config), []
+        # the first piece holds every row's first token (where its chunks start), the later ones any split
+        for start, end in [(0, 29), (29, 30), (30, 33)]:
+            pieces.append(model(batch[:, start:end], attention_mask=mask[:, :end], cache=cache).logits)
+        streamed = torch.cat(pieces, dim=1)
+    batched = model.generate(batch, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                             output_scores=True, return_dict_in_generate=True)
+    total, count = 0.0, 0
     for index, row in enumerate(rows):
-        alone = model.generate(row[None], attention_mask=torch.ones(1, len(row), dtype=torch.long),
-                               max_new_tokens=5, do_sample=False, pad_token_id=0)
-        assert torch.equal(batched[index, 29:], alone[0, len(row):])
-        with torch.no_grad():  # equal up to the float order of a batched matmul
-            torch.testing.assert_close(logits[index], model(row[None]).logits[0, -1], atol=1e-5, rtol=1e-5)
-    mask[0, 16:19] = 0  # row 0 now starts after 19 padding tokens
-    with pytest.raises(ValueError, match="row 0 starts with 19 padding tokens.*multiple of padding_multiple=8"):
-        model(batch, attention_mask=mask)
+        real = slice(33 - len(row), 33)
+        with torch.no_grad():
+            alone = model(row[None], labels=row[None], logits_to_keep=len(row), return_token_losses=True)
+        torch.testing.assert_close(out.logits[index, real], alone.logits[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(streamed[index, real], alone.logits[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out.token_losses[index, real], alone.token_losses[0], atol=1e-5, rtol=1e-5)
+        total, count = total + alone.token_losses.sum(), count + len(row) - 1
+        single = model.generate(row[None], max_new_tokens=6, do_sample=False, pad_token_id=0, output_scores=True,
+                                return_dict_in_generate=True)
+        assert torch.equal(batched.sequences[index, 33:], single.sequences[0, len(row):])
+        for step in range(6):
+            torch.testing.assert_close(batched.scores[step][index], single.scores[step][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.loss, total / count, atol=1e-5, rtol=1e-5)  # the first tokens predict nothing
+    assert [(group.phase, group.rows.tolist()) for group in batched.cache.phase_groups] == [
+        (2, [4]), (4, [0, 1]), (7, [2, 3])]  # padding 28, 20, 15, 7, 2 by phase (8 tokens a cycle)
+
+
+def test_left_padded_beams_and_samples_stay_with_their_rows(tiny_qwen3_dir):
+    """Beam search and several returned sequences reorder and repeat the rows of a left-padded batch's cache: each
+    row's beams equal those of the row alone."""
+    model = build(tiny_qwen3_dir)
+    vocab = model.config.text_config.vocab_size
+    rows = [random_ids(vocab, (1, length), seed=length)[0] for length in (6, 11)]
+    batch, mask = left_padded(rows, 11)
+    settings = dict(max_new_tokens=4, num_beams=3, num_return_sequences=2, do_sample=False, pad_token_id=0)
+    batched = model.generate(batch, attention_mask=mask, **settings)
+    for index, row in enumerate(rows):
+        alone = model.generate(row[None], **settings)
+        assert torch.equal(batched[2 * index: 2 * index + 2, 11:], alone[:, len(row):])
+
+
+def test_an_empty_row_in_the_first_piece_of_a_cache_is_refused(tiny_qwen3_dir):
+    model = build(tiny_qwen3_dir)
+    batch, mask = left_padded([torch.tensor([5, 6, 7])], 3)
+    mask[0] = 0
+    with pytest.raises(ValueError, match="row 0 has no real token in the first piece given to an empty cache"):
+        model(batch, attention_mask=mask, cache=TitansCache(model.config))
 
 
 def test_prefill_holds_one_chunk_whatever_the_prompt_length(tiny_qwen3_dir):
@@ -278,7 +322,8 @@ def test_save_memory_then_load_gives_identical_logits(tmp_path, tiny_qwen3_dir, 
     model = build(tiny_qwen3_dir, **VARIANT_SETTINGS["mac"])
     ids = random_ids(model.config.text_config.vocab_size, (2, 20), seed=7)
     model.save_memory(tmp_path / "memory")
-    assert sorted(p.name for p in (tmp_path / "memory").iterdir()) == ["memory_config.json", "memory_model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "memory").iterdir()) == ["config.json", "memory_config.json",
+                                                                   "memory_model.safetensors"]
     saved = json.loads((tmp_path / "memory" / "memory_config.json").read_text())
     assert saved["base_model_name_or_path"] == str(tiny_qwen3_dir)
     assert saved["variant"] == "mac" and saved["base_shape"]["model_type"] == "qwen3"
@@ -300,7 +345,8 @@ def test_save_memory_then_load_gives_identical_logits(tmp_path, tiny_qwen3_dir, 
 def test_full_save_pretrained_round_trips_through_auto_classes(tmp_path, tiny_qwen3_dir):
     model = build(tiny_qwen3_dir)
     model.save_pretrained(tmp_path / "memory")  # a frozen base: the memory alone, as PEFT saves an adapter
-    assert sorted(p.name for p in (tmp_path / "memory").iterdir()) == ["memory_config.json", "memory_model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "memory").iterdir()) == ["config.json", "memory_config.json",
+                                                                   "memory_model.safetensors"]
     model.save_pretrained(tmp_path / "full", save_full_model=True)
     assert AutoConfig.from_pretrained(tmp_path / "full").model_type == "titans_qwen"
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "full").eval()
@@ -435,3 +481,66 @@ def test_previous_chunk_window_keys_move_as_rope_composes(tiny_qwen3_dir):
 
     torch.testing.assert_close(model._move_keys(rotated(list(range(8, 13))), -8), rotated(list(range(5))),
                                atol=1e-5, rtol=1e-5)
+
+
+def test_to_half_precision_keeps_the_memory_in_float32(tiny_qwen3_dir):
+    """model.to(torch.bfloat16) casts the base and leaves the memory fp32 (as from_base(dtype=...) and loading
+    do): the same model as casting the base's modules alone; float() and double() cast the memory too."""
+    cast = build(tiny_qwen3_dir, **VARIANT_SETTINGS["mac"])
+    reference = build(tiny_qwen3_dir, **VARIANT_SETTINGS["mac"])
+    reference.model.to(torch.bfloat16), reference.lm_head.to(torch.bfloat16)
+    memory = {name: p.clone() for name, p in cast.memory_state_dict().items()}
+    assert cast.to(torch.bfloat16) is cast
+    assert cast.model.embed_tokens.weight.dtype == torch.bfloat16 and cast.lm_head.weight.dtype == torch.bfloat16
+    assert all(torch.equal(p, memory[name]) for name, p in cast.memory_state_dict().items())  # untouched, fp32
+    assert cast.persistent_tokens.dtype == torch.float32
+    ids = random_ids(cast.config.text_config.vocab_size, (2, 20), seed=4)
+    with torch.no_grad():
+        assert torch.equal(cast(ids).logits, reference(ids).logits)
+    cast.half()
+    assert cast.model.norm.weight.dtype == torch.float16 and cast.memory["1"].output_weight.dtype == torch.float32
+    cast.double()
+    assert cast.memory["1"].output_weight.dtype == torch.float64
+
+
+def test_hidden_states_are_the_chunked_runs_per_layer(tiny_qwen3_dir):
+    """output_hidden_states: embeddings and every layer's output over the whole input, chunk after chunk (an
+    untrained mag: exactly the base's on each chunk alone, the last one normed); with a memory and left padding,
+    each row's equal its own alone."""
+    base = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir).eval()
+    plain = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, **SMALL_MEMORY, attend_previous_chunk=False).eval()
+    ids = random_ids(base.config.vocab_size, (2, 20), seed=5)
+    with torch.no_grad():
+        ours = plain(ids, output_hidden_states=True).hidden_states
+        pieces = [base(ids[:, s: s + 8], output_hidden_states=True).hidden_states for s in range(0, 20, 8)]
+    assert len(ours) == base.config.num_hidden_layers + 1
+    for index, hidden in enumerate(ours):
+        assert torch.equal(hidden, torch.cat([piece[index] for piece in pieces], dim=1))
+    assert plain(ids).hidden_states is None
+
+    model = build(tiny_qwen3_dir)
+    rows = [random_ids(model.config.text_config.vocab_size, (1, length), seed=length)[0] for length in (7, 19)]
+    batch, mask = left_padded(rows, 19)
+    with torch.no_grad():
+        batched = model(batch, attention_mask=mask, output_hidden_states=True).hidden_states
+        for index, row in enumerate(rows):
+            alone = model(row[None], output_hidden_states=True).hidden_states
+            for layer, hidden in enumerate(alone):
+                torch.testing.assert_close(batched[layer][index, 19 - len(row):], hidden[0], atol=1e-5, rtol=1e-5)
+
+
+def test_inputs_embeds_equal_input_ids(tiny_qwen3_dir):
+    """forward and generate take the tokens' embeddings in place of their ids, left padding included."""
+    model = build(tiny_qwen3_dir, **VARIANT_SETTINGS["mac"])
+    vocab = model.config.text_config.vocab_size
+    batch, mask = left_padded([random_ids(vocab, (1, length), seed=length)[0] for length in (9, 14)], 14)
+    embeds = model.get_input_embeddings()(batch)
+    with torch.no_grad():
+        torch.testing.assert_close(model(inputs_embeds=embeds, attention_mask=mask).logits,
+                                   model(batch, attention_mask=mask).logits, atol=0, rtol=0)
+    settings = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(inputs_embeds=embeds, **settings), model.generate(batch, **settings)[:, 14:])
+    with pytest.raises(ValueError, match="exactly one of input_ids and inputs_embeds"):
+        model(batch, inputs_embeds=embeds)
+    with pytest.raises(ValueError, match=r"inputs_embeds must be a \[batch, tokens >= 1, 64\] float tensor"):
+        model(inputs_embeds=embeds[..., :10])

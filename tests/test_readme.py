@@ -114,5 +114,9 @@ def test_every_readme_block_runs_as_written(sandbox):
     assert (work / "stores" / "corpus.h5").is_file() and (work / "stores" / "chats" / "meta.json").is_file()
     assert (work / "outputs" / "eval" / "results.json").is_file()
     assert (work / "outputs" / "lm_eval" / "lm_results.json").is_file()
+    assert (work / "outputs" / "lm_eval_harness" / "lm_eval_results.json").is_file()
     for repo in ("your-name/qwen2.5-0.5b-titans-qa1",):
-        assert {"memory_model.safetensors", "memory_config.json", "README.md"} == set(stub.files[repo])
+        assert {"memory_model.safetensors", "memory_config.json", "config.json", "README.md"} == set(stub.files[repo])
+    # the accelerate hooks saved the memory folder in place of the whole model's weights
+    assert (work / "outputs" / "accelerate_state" / "memory_model.safetensors").is_file()
+    assert not list((work / "outputs" / "accelerate_state").glob("model*.safetensors"))

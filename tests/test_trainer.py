@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 import titans_hf.hub
 from titans_hf.data.collator import TitansDataCollator
 from titans_hf.data.sampler import ChunkCurriculumSampler, count_chunks
-from titans_hf.hub import MEMORY_CONFIG_NAME, MEMORY_WEIGHTS_NAME, TRAINABLE_BASE_WEIGHTS_NAME
+from titans_hf.hub import MEMORY_CONFIG_NAME, MEMORY_WEIGHTS_NAME, MODEL_CONFIG_NAME, TRAINABLE_BASE_WEIGHTS_NAME
 from titans_hf.modeling import TitansQwenForCausalLM
 from titans_hf.training import TitansTrainer, TitansTrainingArguments
 from titans_hf.training.trainer import answer_exact_match
@@ -254,7 +254,8 @@ def test_checkpoint_holds_only_the_memory(tiny_qwen3_dir, rows, tmp_path):
     trainer.train()
     checkpoint = tmp_path / "checkpoint-2"
     assert sorted(os.listdir(checkpoint)) == sorted(
-        CHECKPOINT_FILES + [MEMORY_CONFIG_NAME, MEMORY_WEIGHTS_NAME] + tokenizer_files(tiny_qwen3_dir))
+        CHECKPOINT_FILES + [MEMORY_CONFIG_NAME, MODEL_CONFIG_NAME, MEMORY_WEIGHTS_NAME]
+        + tokenizer_files(tiny_qwen3_dir))
     saved = safetensors.torch.load_file(checkpoint / MEMORY_WEIGHTS_NAME)
     memory = trainer.model.memory_state_dict()
     assert sorted(saved) == sorted(memory) == sorted(trainable_weights(trainer.model))
@@ -358,7 +359,8 @@ def test_save_model_writes_memory_only_and_atomically(tiny_qwen3_dir, rows, tmp_
     trainer = make_trainer(tiny_qwen3_dir, tmp_path, rows)
     trainer.save_model(str(tmp_path / "final"))
     assert sorted(os.listdir(tmp_path / "final")) == sorted(
-        [MEMORY_CONFIG_NAME, MEMORY_WEIGHTS_NAME, "training_args.json"] + tokenizer_files(tiny_qwen3_dir))
+        [MEMORY_CONFIG_NAME, MODEL_CONFIG_NAME, MEMORY_WEIGHTS_NAME, "training_args.json"]
+        + tokenizer_files(tiny_qwen3_dir))
 
     def crash(state_dict, path, metadata=None):
         open(path, "wb").write(b"partial")

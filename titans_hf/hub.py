@@ -7,6 +7,9 @@ A memory folder (or Hub repository) holds exactly
   version that wrote it. A local base loads from that folder only while the fingerprint still matches, so a
   memory never runs on another model of the same shape without a word (`recorded_base`);
 - `memory_model.safetensors`: the memory's weights, nothing of the base;
+- `config.json`: the model's config (`model_type: titans_qwen`, the base's config and the memory settings), so that
+  `AutoConfig` and `AutoModelForCausalLM` / `pipeline` dispatch to the model class, which then loads as above
+  (folders written before it existed load without it);
 - `README.md` on the Hub: a model card rendered from `hub_cards/memory_model_card.md`.
 
 Everything read from such a folder is data: only the known settings are read from the config, nothing in it
@@ -60,6 +63,9 @@ logger = logging.getLogger(__name__)
 
 MEMORY_CONFIG_NAME = "memory_config.json"
 MEMORY_WEIGHTS_NAME = "memory_model.safetensors"
+# The Auto classes' view of a memory folder: the model type they dispatch on, in the file they read.
+MODEL_CONFIG_NAME = "config.json"
+MODEL_TYPE = "titans_qwen"
 # Base weights that were trained too (freeze_base=False): kept out of the memory file, but part of a checkpoint.
 TRAINABLE_BASE_WEIGHTS_NAME = "trainable_base_model.safetensors"
 CARD_TEMPLATE_PATH = Path(__file__).parent / "hub_cards" / "memory_model_card.md"
@@ -89,11 +95,11 @@ class TitansMemoryConfig:
         "help": "Decoder layers that get a memory (default: the middle layer, the one a frozen base learned to use "
                 "fastest)."})
     variant: str = field(default="mag", metadata={
-        "help": "How the memory joins its layer: a key of MEMORY_VARIANTS in titans_hf/modeling/variants.py "
-                "(mag: gated branch beside the layer; mal: on the residual stream before it; mac: memory tokens "
-                "prefix each chunk)."})
+        "help": "How the memory joins its layer: mag (a gated branch beside the layer), mal (on the residual "
+                "stream before it) or mac (memory tokens in front of each chunk)."})
     memory_model: str = field(default="mlp", metadata={
-        "help": "What the memory is: a key of MEMORY_MODELS in titans_hf/modeling/memory.py."})
+        "help": "What the memory is: mlp (an MLP of memory_depth layers with a residual, whose weights learn at "
+                "test time)."})
     memory_num_heads: int | None = field(default=None, metadata={
         "help": "Memory heads (default: hidden size // memory_head_dim); small heads keep the fast weights cheap."})
     memory_head_dim: int = field(default=64, metadata={"help": "Size of one memory head."})
@@ -308,6 +314,23 @@ def recorded_base(config: TitansMemoryConfig, source: str) -> str:
     return base
 
 
+def read_model_config(path: str | os.PathLike) -> dict[str, Any]:
+    """A memory folder's `config.json` as the Auto classes read it: a JSON object of `model_type` titans_qwen with
+    the base's `text_config` and no `auto_map`; anything else is a ValueError naming the file."""
+    path = Path(path)
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: not a JSON model config ({error})") from error
+    if not isinstance(values, dict) or values.get("model_type") != MODEL_TYPE or not isinstance(
+            values.get("text_config"), dict):
+        raise ValueError(f"{path}: a memory folder's {MODEL_CONFIG_NAME} is a JSON object with model_type "
+                         f"{MODEL_TYPE!r} and the base's text_config")
+    if "auto_map" in values or "auto_map" in values["text_config"]:
+        raise ValueError(f"{path}: names code to run (auto_map); a memory's config never does")
+    return values
+
+
 # ---- memory folders, local or on the Hub ----
 
 def is_hub_id(name: str) -> bool:
@@ -372,10 +395,12 @@ def is_memory(name_or_path: str | os.PathLike, revision: str | None = None, **hu
 
 
 def save_memory_folder(save_directory: str | os.PathLike, config: TitansMemoryConfig | None, memory: dict[str, Any],
-                       trainable_base: dict[str, Any] | None = None) -> Path:
-    """Write a memory folder: the config (None for a model without one), the memory weights, and (a checkpoint of
-    a model whose base trains too) the trainable base weights. Each file is written under a temporary name and renamed; the memory weights go
-    last, so their presence means the folder is complete."""
+                       trainable_base: dict[str, Any] | None = None, model_config: dict[str, Any] | None = None
+                       ) -> Path:
+    """Write a memory folder: the config (None for a model without one), the model's config for the Auto classes
+    (`model_config`, a dict with `model_type` titans_qwen, or None), the memory weights, and (a checkpoint of a model
+    whose base trains too) the trainable base weights. Each file is written under a temporary name and renamed; the
+    memory weights go last, so their presence means the folder is complete."""
     folder = Path(save_directory)
     folder.mkdir(parents=True, exist_ok=True)
     base_path = folder / TRAINABLE_BASE_WEIGHTS_NAME
@@ -386,6 +411,8 @@ def save_memory_folder(save_directory: str | os.PathLike, config: TitansMemoryCo
         base_path.unlink()  # left by an earlier save into the same folder: it would be loaded on resume
     if config is not None:
         config.save_pretrained(folder)
+    if model_config is not None:
+        atomic_write_json(folder / MODEL_CONFIG_NAME, model_config)
     tensors = _contiguous(memory)
     atomic_write(folder / MEMORY_WEIGHTS_NAME, lambda temporary: save_file(tensors, temporary,
                                                                           metadata={"format": "pt"}))
@@ -502,8 +529,10 @@ def push_memory_folder(folder: str | os.PathLike, repo_id: str, *, token: str | 
                        check_weights: Callable[[TitansMemoryConfig, dict, str], None] | None = None) -> str:
     """Upload a memory folder to a Hub model repository and return the commit URL.
 
-    The commit holds exactly memory_model.safetensors, memory_config.json and a README.md rendered from
-    hub_cards/memory_model_card.md; anything else in the folder stays local, and a file that is a link is refused.
+    The commit holds exactly memory_model.safetensors, memory_config.json, the folder's config.json (for the Auto
+    classes; its memory settings replaced by the pushed ones, no local path of the base in it) when it has one, and a
+    README.md rendered from hub_cards/memory_model_card.md; anything else in the folder stays local, and a file that
+    is a link is refused.
     `check_weights(config, {name: (shape, dtype)}, source)` (the model's `check_memory_weights`) vets the weights
     against the config before anything is sent. `base_model` / `revision` name the base on the Hub when the
     memory was trained on a local copy of it (they replace the local path in the uploaded config). The token comes
@@ -513,7 +542,8 @@ def push_memory_folder(folder: str | os.PathLike, repo_id: str, *, token: str | 
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: no such directory (expected a memory folder written by save_pretrained)")
     config_path, weights_path = hub_file(folder, MEMORY_CONFIG_NAME), hub_file(folder, MEMORY_WEIGHTS_NAME)
-    for path in (config_path, weights_path):
+    model_config_path = folder / MODEL_CONFIG_NAME
+    for path in (config_path, weights_path, model_config_path):
         if path.is_symlink():
             raise ValueError(f"{path}: is a link ({os.readlink(path)}); a memory folder holds its own files")
     config = read_memory_config(config_path)
@@ -524,6 +554,7 @@ def push_memory_folder(folder: str | os.PathLike, repo_id: str, *, token: str | 
         check_weights(config, header, str(weights_path))
     if base_model is not None:
         config = dataclasses.replace(config, base_model_name_or_path=base_model, revision=revision)
+    model_config = read_model_config(model_config_path) if model_config_path.is_file() else None
     card = render_memory_card(config, results, repo_id=repo_id, datasets=datasets)
     if is_offline_mode():
         raise OfflineModeIsEnabled(f"Cannot push {folder} to {repo_id}: offline mode is on (HF_HUB_OFFLINE=1); "
@@ -538,6 +569,11 @@ def push_memory_folder(folder: str | os.PathLike, repo_id: str, *, token: str | 
         CommitOperationAdd(path_in_repo=MEMORY_CONFIG_NAME, path_or_fileobj=config_bytes),
         CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=card.encode("utf-8")),
     ]
+    if model_config is not None:
+        model_config["memory_config"] = config.to_dict()
+        model_config["text_config"].pop("_name_or_path", None)
+        operations.insert(2, CommitOperationAdd(path_in_repo=MODEL_CONFIG_NAME, path_or_fileobj=(
+            json.dumps(model_config, indent=2, ensure_ascii=False) + "\n").encode("utf-8")))
     logger.info("Pushing %s, %s and README.md to %s", MEMORY_WEIGHTS_NAME, MEMORY_CONFIG_NAME, repo_url)
     commit = api.create_commit(repo_url.repo_id, operations,
                                commit_message=commit_message or f"Upload Titans memory (titans_hf {__version__})")

@@ -14,9 +14,14 @@ from titans_hf.tasks.babilong import (
 )
 from titans_hf.utils import check_outputs, check_tokenizer_argument, record_outputs
 
+from .arguments import length, local_or_hub
+
 
 def register(subcommands: argparse._SubParsersAction) -> None:
-    parser = subcommands.add_parser("babilong", help="BABILong data tools")
+    parser = subcommands.add_parser(
+        "babilong", help="write BABILong question-answering rows (facts hidden in long filler text), offline",
+        description="BABILong (Kuratov et al. 2024): a question about facts scattered through a long haystack of "
+        "filler text; the memory has to carry the facts to the question.")
     actions = parser.add_subparsers(dest="babilong_command", required=True)
     generate = actions.add_parser(
         "generate",
@@ -25,9 +30,11 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         "the same arguments always give the same file.",
     )
     generate.add_argument("--task", required=True, choices=GENERATED_TASKS)
-    generate.add_argument("--length", required=True, type=int, help="tokens of `input` (0 = the story alone)")
+    generate.add_argument("--length", required=True, type=length,
+                          help="tokens of each row's input, e.g. 4000 or 4k (0 = the story alone)")
     generate.add_argument("--num-samples", required=True, type=int)
-    generate.add_argument("--tokenizer", required=True, help="tokenizer name or path that counts the length")
+    generate.add_argument("--tokenizer", required=True, type=local_or_hub,
+                          help="the tokenizer that counts the length (your model's): Hub id or local folder")
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--haystack", nargs="+", default=None, help="text files (e.g. PG19 books) for the haystack")
     generate.add_argument("--output", required=True, help="JSON file to write, e.g. data/qa1/4k.json")

@@ -9,19 +9,21 @@ from titans_hf.demo import goal_report, run_demo
 from titans_hf.evaluation import format_distance_table, format_results_table
 from titans_hf.tasks.babilong import GENERATED_TASKS
 
+from .arguments import length, local_or_hub
+
 
 def register(subcommands: argparse._SubParsersAction) -> None:
     parser = subcommands.add_parser(
         "demo",
-        help="the main job: a stand-in (or given) Qwen, frozen, learns to use a Titans memory on BABILong",
+        help="the whole recipe offline, in minutes: a small stand-in Qwen learns to use a memory on BABILong",
         description="Pretrain a stand-in Qwen (or take --model), freeze it, train a Titans memory on BABILong with "
         "the titans-hf train code, and score it with and without the memory.",
     )
-    parser.add_argument("--model", default=None,
+    parser.add_argument("--model", default=None, type=local_or_hub,
                         help="a pretrained Qwen2/Qwen3 (local folder or Hub id) used as the frozen base; skips stage a")
     parser.add_argument("--output-dir", default="outputs/demo")
     parser.add_argument("--task", default="qa1", choices=GENERATED_TASKS)
-    parser.add_argument("--chunk-size", type=int, default=32, help="attention segment in tokens")
+    parser.add_argument("--chunk-size", type=length, default=32, help="attention segment in tokens")
     parser.add_argument("--train-chunks", type=int, nargs="+", default=[0, 4, 8, 16],
                         help="input lengths trained on, in chunks (0 = bare stories)")
     parser.add_argument("--eval-chunks", type=int, nargs="+", default=[4, 32, 256],

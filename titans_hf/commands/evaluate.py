@@ -23,61 +23,70 @@ from titans_hf.tasks.babilong import GENERATED_TASKS, generate_babilong, length_
 from titans_hf.tasks.babilong.generate import read_haystack_sentences
 from titans_hf.utils import check_tokenizer_argument, prepare_output_dir
 
+from .arguments import length, local_or_hub
+
 
 def register(subcommands: argparse._SubParsersAction) -> None:
     parser = subcommands.add_parser(
         "eval",
-        help="score a memory on BABILong (files or generated rows), or with --lm on token stores, with and "
-        "without the memory",
-        description="Greedy answers to BABILong questions, scored by exact match and label substring per task and "
-        "length, with the memory on and off on the same weights; writes results.json, heatmap.png and "
-        "predictions.jsonl to --output. With --lm: loss and perplexity per chunk index on windows of the token "
-        "stores named by --data (memory on and off), written as lm_results.json and loss_per_chunk.png.",
+        help="score a memory with and without it: BABILong accuracy, or with --lm loss per chunk on your documents",
+        description="What the memory buys, measured on the same weights with the memory on and off. BABILong: the "
+        "model's greedy answers to questions about facts hidden in long inputs, scored per task and length (exact "
+        "match and BABILong's label substring), beside the 'last place mentioned' guess; writes results.json, "
+        "heatmap.png and predictions.jsonl to --output. With --lm: loss and perplexity per chunk index on windows "
+        "of your token stores (from titans-hf prepare); writes lm_results.json and loss_per_chunk.png.",
     )
-    parser.add_argument("--model", required=True,
-                        help="a memory folder or Hub id (it names its base), a base Qwen (with --memory), or a full "
-                        "TitansQwen folder")
-    parser.add_argument("--memory", default=None, help="memory folder or Hub id, to put on the --model base")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer name or path (default: the base model's)")
-    source = parser.add_mutually_exclusive_group(required=True)
+    model = parser.add_argument_group("the model")
+    model.add_argument("--model", required=True, type=local_or_hub,
+                       help="a memory folder or Hub id (it names its base), a base Qwen (with --memory), or a full "
+                       "TitansQwen folder")
+    model.add_argument("--memory", default=None, type=local_or_hub,
+                       help="memory folder or Hub id, to put on the --model base")
+    model.add_argument("--tokenizer", default=None, type=local_or_hub,
+                       help="tokenizer name or path (default: the base model's)")
+    model.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    model.add_argument("--device", default="cuda" if torch.cuda.is_available() else None,
+                       help="e.g. cuda or cpu (default: cuda when there is one)")
+    data = parser.add_argument_group("the data (BABILong rows; with --lm, token stores)")
+    source = data.add_mutually_exclusive_group(required=True)
     source.add_argument("--data", nargs="+",
                         help="BABILong files or folders: the Hub sets' LENGTH/TASK-0000i-of-0000n.parquet (a "
-                        "downloaded snapshot folder finds them all), or TASK/LENGTH.json / .jsonl, e.g. qa1/32k.json")
+                        "downloaded snapshot folder finds them all), or TASK/LENGTH.json / .jsonl, e.g. qa1/32k.json; "
+                        "with --lm, token stores (.h5, .bin store files or folders)")
     source.add_argument("--generate", action="store_true", help="generate rows offline (--tasks, --lengths)")
-    parser.add_argument("--tasks", nargs="+", default=None,
-                        help="--data: only these tasks (one task also names files whose path does not); "
-                        f"--generate: tasks to generate, of {list(GENERATED_TASKS)} (default qa1)")
-    parser.add_argument("--lengths", nargs="+", default=None,
-                        help="--data: only these length labels (e.g. 4k 32k; one also names files whose path does "
-                        "not); --generate: input lengths in tokens (e.g. 3500 or 4k = 4096), required")
-    parser.add_argument("--lm", action="store_true",
-                        help="language-model evaluation: --data names token stores (.h5, .bin store files or folders)")
-    parser.add_argument("--window-size", type=int, default=None, help="--lm: tokens per window (required)")
-    parser.add_argument("--stride", type=int, default=None, help="--lm: tokens between windows (default: window)")
-    parser.add_argument("--train-type", default="seq", choices=["seq", "sft"],
-                        help="--lm: seq counts every token, sft only those its loss mask marks")
-    parser.add_argument("--respect-document-boundaries", action="store_true",
-                        help="--lm: keep every window inside one document")
-    parser.add_argument("--pad-tail", action="store_true",
-                        help="--lm: also keep the last, shorter window (of each document), right-padded")
-    parser.add_argument("--boundary-tokens", type=int, default=8,
-                        help="--lm: the loss of this many tokens at the start of every later chunk is reported too")
-    parser.add_argument("--max-windows", type=int, default=None, help="--lm: evaluate the first N windows only")
-    parser.add_argument("--num-samples", type=int, default=100, help="rows per task and length (--generate)")
-    parser.add_argument("--seed", type=int, default=1, help="generation seed; use one the training data did not")
-    parser.add_argument("--haystack", nargs="+", default=None, help="text files for the haystack (--generate)")
-    parser.add_argument("--max-new-tokens", type=int, default=8)
-    parser.add_argument("--batch-size", type=int, default=1,
-                        help="rows per generate call; a TitansQwen batches rows of mixed lengths, left-padded by "
-                        "whole multiples of its padding_multiple, with the answers of each row alone")
-    parser.add_argument("--no-ablation", action="store_true", help="skip the pass with the memory switched off")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else None,
-                        help="e.g. cuda or cpu (default: cuda when there is one)")
-    parser.add_argument("--output", required=True, help="folder for results.json, heatmap.png, predictions.jsonl")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace the outputs of an earlier titans-hf eval in --output (never files it did not "
-                        "write); without it existing outputs are kept and the command stops before any work")
+    data.add_argument("--tasks", nargs="+", default=None,
+                      help="--data: only these tasks (one task also names files whose path does not); "
+                      f"--generate: tasks to generate, of {list(GENERATED_TASKS)} (default qa1)")
+    data.add_argument("--lengths", nargs="+", default=None,
+                      help="--data: only these length labels (e.g. 4k 32k; one also names files whose path does "
+                      "not); --generate: input lengths in tokens (e.g. 3500 or 4k = 4096), required")
+    data.add_argument("--num-samples", type=int, default=100, help="rows per task and length (--generate)")
+    data.add_argument("--seed", type=int, default=1, help="generation seed; use one the training data did not")
+    data.add_argument("--haystack", nargs="+", default=None, help="text files for the haystack (--generate)")
+    data.add_argument("--max-new-tokens", type=int, default=8, help="tokens generated per answer")
+    lm = parser.add_argument_group("--lm: loss per chunk on token stores")
+    lm.add_argument("--lm", action="store_true",
+                    help="language-model evaluation: --data names token stores (.h5, .bin store files or folders)")
+    lm.add_argument("--window-size", type=length, default=None, help="tokens per window, e.g. 4096 or 4k (required)")
+    lm.add_argument("--stride", type=length, default=None, help="tokens between windows (default: the window)")
+    lm.add_argument("--train-type", default="seq", choices=["seq", "sft"],
+                    help="seq counts every token, sft only those its loss mask marks")
+    lm.add_argument("--respect-document-boundaries", action="store_true", help="keep every window inside one document")
+    lm.add_argument("--pad-tail", action="store_true",
+                    help="also keep the last, shorter window (of each document), right-padded")
+    lm.add_argument("--boundary-tokens", type=int, default=8,
+                    help="the loss of this many tokens at the start of every later chunk is reported too")
+    lm.add_argument("--max-windows", type=int, default=None, help="evaluate the first N windows only")
+    run = parser.add_argument_group("the run")
+    run.add_argument("--batch-size", type=int, default=1,
+                     help="rows per batch; rows of mixed lengths share batches and answer as each row alone")
+    run.add_argument("--no-ablation", action="store_true", help="skip the pass with the memory switched off")
+    run.add_argument("--output", required=True,
+                     help="folder for results.json, heatmap.png, predictions.jsonl (--lm: lm_results.json, "
+                     "loss_per_chunk.png)")
+    run.add_argument("--overwrite", action="store_true",
+                     help="replace the outputs of an earlier titans-hf eval in --output (never files it did not "
+                     "write); without it existing outputs are kept and the command stops before any work")
     parser.set_defaults(func=eval_command)
 
 

@@ -8,28 +8,36 @@ from typing import Any
 from titans_hf.data import prepare as prepare_module
 from titans_hf.data.windows import TRAIN_TYPE_KEYS
 
+from .arguments import local_or_hub
+
 
 def register(subcommands: argparse._SubParsersAction) -> None:
     parser = subcommands.add_parser(
         "prepare",
-        help="tokenize .txt/.jsonl files or a datasets dataset into an .h5 or .bin token store",
-        description=prepare_module.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="tokenize your documents (text, chats, preference pairs, groups) into a token store to train on",
+        description="Tokenize your documents once, into a token store that `titans-hf train --dataset titans_tokens` "
+        "and `titans-hf eval --lm` read in windows of many chunks. Plain text (.txt files, one document each, or a "
+        "text field of .jsonl / a datasets dataset) for seq; chats (messages, rendered with the tokenizer's chat "
+        "template, loss on the assistant turns only), prompt + completion or prompt + response records for sft; "
+        "prompt / chosen / rejected for dpo; prompt / responses / rewards for grpo. The store is written whole or "
+        "not at all, and an existing one is replaced only with --overwrite.",
     )
     parser.add_argument("inputs", nargs="*", help=".txt / .jsonl files")
     parser.add_argument("--output", "-o", required=True, help="store path: NAME.h5, or a directory for .bin + meta.json")
-    parser.add_argument("--tokenizer", required=True, help="AutoTokenizer hub id or local path")
+    parser.add_argument("--tokenizer", required=True, type=local_or_hub,
+                        help="the tokenizer of the model you will train: Hub id or local folder")
+    processing = parser.add_argument_group("data and processing")
     parser.add_argument(
         "--train-type", default="seq", choices=list(TRAIN_TYPE_KEYS),
         help="seq: text; sft: records with messages (chat template), prompt + completion, or prompt + response; "
         "dpo: prompt?, chosen, rejected; grpo: prompt, responses, rewards",
     )
-    parser.add_argument("--text-field", default="text", help="field holding the text (seq)")
-    parser.add_argument("--dataset", default=None, help="datasets name or path to load instead of input files")
-    parser.add_argument("--dataset-split", default="train")
-    parser.add_argument("--num-proc", type=int, default=1)
-    parser.add_argument("--batch-size", type=int, default=256, help="units per tokenizer call")
-    parser.add_argument("--shard-tokens", type=int, default=None, help="start a new shard after this many tokens")
+    processing.add_argument("--text-field", default="text", help="field holding the text (seq)")
+    processing.add_argument("--dataset", default=None, help="datasets name or path to load instead of input files")
+    processing.add_argument("--dataset-split", default="train")
+    processing.add_argument("--num-proc", type=int, default=1)
+    processing.add_argument("--batch-size", type=int, default=256, help="units per tokenizer call")
+    processing.add_argument("--shard-tokens", type=int, default=None, help="start a new shard after this many tokens")
     parser.add_argument(
         "--overwrite", action="store_true",
         help="replace an existing output, only if it is a token store prepare wrote (never other files or an input)",

@@ -13,10 +13,12 @@ from titans_hf.modeling import TitansQwenForCausalLM
 def register(subcommands: argparse._SubParsersAction) -> None:
     parser = subcommands.add_parser(
         "push",
-        help="upload a memory folder (weights, config, model card) to a Hub model repository",
+        help="upload a trained memory (weights, config, model card) to the Hugging Face Hub",
         # No --token: a token typed on the command line ends up in shell history.
-        description="Upload memory_model.safetensors, memory_config.json and a rendered README.md to the Hub. "
-        "The token comes from HF_TOKEN or `hf auth login`.",
+        description="Share a trained memory the way PEFT adapters are shared: its weights, its config and a model "
+        "card with your evaluation results go to a Hub model repository (never the base, the optimizer or the "
+        "training arguments); anyone then loads it with AutoModelForCausalLM.from_pretrained(REPO_ID). The token "
+        "comes from HF_TOKEN or `hf auth login`.",
     )
     parser.add_argument("folder", help="memory folder written by save_pretrained or titans-hf train")
     parser.add_argument("repo_id", help="Hub model repository, e.g. your-name/qwen-titans-memory")

@@ -37,6 +37,8 @@ from titans_hf.utils import (
     replace_outputs,
 )
 
+from .arguments import length, local_or_hub
+
 TRAIN_NAME, EVAL_NAME, EVAL_DEPENDENT_NAME = "train.jsonl", "eval.jsonl", "eval_dependent"
 
 
@@ -60,7 +62,10 @@ def corpus_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
-    parser = subcommands.add_parser("recall", help="the recall corpus: facts stated early, needed chunks later")
+    parser = subcommands.add_parser(
+        "recall", help="write the recall corpus: long documents whose early facts are needed chunks later",
+        description="The recall corpus measures what the memory buys on ordinary text: facts stated early in a "
+        "document are referred to chunks later, where only the memory can supply them.")
     actions = parser.add_subparsers(dest="recall_command", required=True)
 
     generate = actions.add_parser(
@@ -73,10 +78,11 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         "documents whose loss mask marks the recalled values (titans-hf eval --lm --train-type sft).",
     )
     generate.add_argument("--output-dir", required=True)
-    generate.add_argument("--tokenizer", required=True, help="tokenizer name or path that counts the tokens")
+    generate.add_argument("--tokenizer", required=True, type=local_or_hub,
+                          help="the tokenizer that counts the tokens (your model's): Hub id or local folder")
     generate.add_argument("--num-train", type=int, default=19200, help="training documents")
     generate.add_argument("--num-eval", type=int, default=128, help="held-out documents (another seed)")
-    generate.add_argument("--window-size", type=int, default=256, help="tokens of a document with its EOS")
+    generate.add_argument("--window-size", type=length, default=256, help="tokens of a document with its EOS")
     generate.add_argument("--min-distance", type=int, default=32,
                           help="tokens between a value's last mention and its reference; one chunk or more puts every "
                           "recalled value in a later chunk than its statement")

@@ -8,7 +8,7 @@ from huggingface_hub.dataclasses import strict
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.configuration_utils import SubConfigSpec
 
-from titans_hf.hub import TitansMemoryConfig
+from titans_hf.hub import MODEL_TYPE, TitansMemoryConfig
 
 from .memory import CONV_INITS, MEMORY_MODELS
 from .variants import MEMORY_VARIANTS
@@ -31,7 +31,7 @@ class TitansQwenConfig(PreTrainedConfig):
         memory_config: a `TitansMemoryConfig` (or its dict); None takes its defaults.
     """
 
-    model_type = "titans_qwen"
+    model_type = MODEL_TYPE
     sub_configs_defaults = {"text_config": SubConfigSpec(config_class=AutoConfig, model_type="qwen3")}
 
     text_config: dict | PreTrainedConfig | None = None

@@ -14,6 +14,7 @@ alone (see `titans_hf.hub`).
 
 import contextlib
 import functools
+import json
 import logging
 import math
 import os
@@ -57,6 +58,8 @@ logger = logging.getLogger(__name__)
 BASE_PREFIXES = ("model.", "lm_head.")
 # What the Hub download of a memory takes; everything else goes to the base's from_pretrained.
 HUB_KWARGS = ("token", "cache_dir", "local_files_only")
+# What the Auto classes and pipelines add to a model's from_pretrained; a memory's base never sees them.
+AUTO_KWARGS = ("_from_auto", "_from_pipeline", "adapter_kwargs", "trust_remote_code")
 
 
 def _memory_blocks(config: TitansQwenConfig) -> nn.ModuleDict:
@@ -109,18 +112,51 @@ class TitansCausalLMOutput(CausalLMOutputWithPast):
     token_losses: torch.FloatTensor | None = None
 
 
+@dataclass
+class PhaseGroup:
+    """Rows of a batch whose first real tokens fall at the same place of the chunk cycle: `phase` = the row's left
+    padding % `padding_multiple`. They run as one batch from column `phase` on, where their left padding is a whole
+    multiple (whole chunks and memory updates, which leave a row's outputs as they are without them); with a cache,
+    in their own `cache`."""
+
+    rows: Tensor
+    phase: int
+    cache: "TitansCache | None" = None
+
+
+def select_phase_groups(groups: list[PhaseGroup], index: Tensor) -> list[PhaseGroup]:
+    """The groups of a batch whose new row r is old row `index[r]` (beams reordered, rows repeated or dropped)."""
+    old_rows = sum(len(group.rows) for group in groups)
+    index = index.to(groups[0].rows.device)
+    selected = []
+    for group in groups:
+        local = torch.full((old_rows,), -1, dtype=torch.long, device=index.device)
+        local[group.rows] = torch.arange(len(group.rows), device=index.device)
+        position = local[index]
+        rows = (position >= 0).nonzero().flatten()
+        if rows.numel():
+            if group.cache is not None:
+                group.cache.reorder_cache(position[rows])
+            selected.append(PhaseGroup(rows, group.phase, group.cache))
+    return selected
+
+
 class TitansCache(DynamicCache):
     """What decoding needs to continue a stream: the current chunk's keys/values (and, with
-    attend_previous_chunk, the previous chunk's: attention never looks further back) and every memory layer's state. Its size does not grow with the prompt.
+    attend_previous_chunk, the previous chunk's: attention never looks further back) and every memory layer's state.
+    Its size does not grow with the prompt.
 
     `get_seq_length()` is the number of tokens seen (what `generate` means by it); the attention layers' own
-    offsets come from `get_query_offset()`, the length of the current chunk's keys (prefix included).
+    offsets come from `get_query_offset()`, the length of the current chunk's keys (prefix included). A batch whose
+    rows start at different places of the chunk cycle (left padding that is not a whole multiple of
+    `padding_multiple`) keeps one cache per `PhaseGroup` in `phase_groups`, set by the first forward.
     """
 
     def __init__(self, config: TitansQwenConfig):
         super().__init__(config=config.text_config)
         self.seen_tokens = 0
         self.memory_states: dict[int, MemoryState] | None = None
+        self.phase_groups: list[PhaseGroup] | None = None
         self.chunk_attention_mask: Tensor | None = None  # [B, keys held], prefix included
         self.previous_length = 0  # keys of the previous chunk held before the current one's (attend_previous_chunk)
         self.prefix_length = 0  # tokens in front of the current chunk (mac's memory and persistent tokens)
@@ -150,7 +186,17 @@ class TitansCache(DynamicCache):
                                                                self.prefix_length)
         self.previous_length = super().get_seq_length()
 
+    def _rows(self) -> int | None:
+        """Rows the cache holds (None before the first forward)."""
+        if self.phase_groups is not None:
+            return sum(len(group.rows) for group in self.phase_groups)
+        if self.memory_states is not None:  # set together with the chunk mask, by the same forward
+            return next(iter(self.memory_states.values())).batch_size
+        return None
+
     def _select_rows(self, index: Tensor) -> None:
+        if self.phase_groups is not None:
+            self.phase_groups = select_phase_groups(self.phase_groups, index)
         if self.memory_states is not None:
             self.memory_states = {i: s.select(index) for i, s in self.memory_states.items()}
         if self.chunk_attention_mask is not None:
@@ -167,8 +213,8 @@ class TitansCache(DynamicCache):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
-        if self.memory_states is not None:  # set together with the chunk mask, by the same forward
-            rows = next(iter(self.memory_states.values())).batch_size
+        rows = self._rows()
+        if rows is not None:
             self._select_rows(torch.arange(rows).repeat_interleave(repeats))
 
 
@@ -234,6 +280,23 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
             self.model.requires_grad_(False)
             self.lm_head.requires_grad_(False)
 
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> "TitansQwenForCausalLM":
+        """`to`, `half`, `bfloat16`, `cuda`, ... as on any module, except that a cast to float16 / bfloat16 leaves
+        the memory (`_keep_in_fp32_modules_strict`) in float32 (moved to the same device): what `from_base(dtype=)`
+        and loading do, since its small, slowly accumulating steps vanish in half precision. `float()` and
+        `double()` cast it too."""
+        probe = fn(torch.zeros(1))  # what fn makes of a float32 tensor: the target device and dtype
+        if probe.dtype not in (torch.float16, torch.bfloat16):
+            return super()._apply(fn, recurse)
+        kept = set()
+        for name in self._keep_in_fp32_modules_strict:
+            part = getattr(self, name, None)
+            tensors = [part] if isinstance(part, Tensor) else [] if part is None else [*part.parameters(),
+                                                                                        *part.buffers()]
+            kept.update(id(t) for t in tensors)
+            kept.update(id(t.grad) for t in tensors if t.grad is not None)
+        return super()._apply(lambda t: t.to(probe.device) if id(t) in kept else fn(t), recurse)
+
     # ---- construction, loading, saving ----
 
     @classmethod
@@ -281,6 +344,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         config = TitansQwenConfig(text_config=backbone.config, memory_config=memory)
         # building the config resets its sub-config's attention choice; keep the one the backbone was loaded with
         config._attn_implementation = attention
+        config.name_or_path = name  # what TRL and PEFT read as the base's name
         model = cls(config, backbone=backbone)
         model.to(backbone.device)
         model.generation_config = backbone.generation_config
@@ -342,9 +406,19 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *args: Any,
                         **kwargs: Any) -> "TitansQwenForCausalLM":
         """A memory folder or Hub repository (its `memory_config.json` names the base, which is loaded first; see
-        `from_base_and_memory` for the keyword arguments), or a full model saved with `save_full_model=True`."""
+        `from_base_and_memory` for the keyword arguments), or a full model saved with `save_full_model=True`.
+
+        `AutoModelForCausalLM.from_pretrained` and `pipeline` arrive here through the folder's `config.json`; what
+        they add (the config they read from it, their own markers, `trust_remote_code`) does not reach the base,
+        which always loads with `trust_remote_code=False`."""
         hub = {key: kwargs[key] for key in HUB_KWARGS if key in kwargs}
         if not args and is_memory(pretrained_model_name_or_path, revision=kwargs.get("revision"), **hub):
+            config = kwargs.pop("config", None)
+            if config is not None and not isinstance(config, TitansQwenConfig):
+                raise ValueError(f"from_pretrained: config must be a TitansQwenConfig for a memory, got "
+                                 f"{type(config).__name__}")
+            for key in AUTO_KWARGS:
+                kwargs.pop(key, None)
             return cls.from_base_and_memory(None, pretrained_model_name_or_path, **kwargs)
         check_safetensors_folder(pretrained_model_name_or_path, "from_pretrained: the model folder")
         folder = Path(pretrained_model_name_or_path)
@@ -422,11 +496,22 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         if save_full_model or not self.config.memory_config.freeze_base:
             super().save_pretrained(save_directory, *args, **kwargs)
             return
-        save_memory_folder(save_directory, self.config.memory_config, self.memory_state_dict())
+        self.save_memory(save_directory)
 
     def save_memory(self, save_directory: str | os.PathLike) -> Path:
         """The memory alone, whatever `freeze_base` says."""
-        return save_memory_folder(save_directory, self.config.memory_config, self.memory_state_dict())
+        return save_memory_folder(save_directory, self.config.memory_config, self.memory_state_dict(),
+                                  model_config=self.memory_folder_config())
+
+    def memory_folder_config(self) -> dict[str, Any]:
+        """The `config.json` of a memory folder: this model's config (the base's config as `text_config`, the
+        memory settings), by which `AutoConfig` and `AutoModelForCausalLM` recognise the folder; no local path in it.
+        Loading reads the memory from `memory_config.json` and the base from the base itself."""
+        values = json.loads(self.config.to_json_string(use_diff=True))
+        values["architectures"] = [type(self).__name__]
+        values.pop("_name_or_path", None)
+        values["text_config"].pop("_name_or_path", None)
+        return values
 
     def push_to_hub(self, repo_id: str, *args: Any, push_full_model: bool = False, token: str | None = None,
                     private: bool | None = None, commit_message: str | None = None, results: dict | None = None,
@@ -473,24 +558,35 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
     @property
     def padding_multiple(self) -> int:
         """Left padding by a multiple of this many tokens (whole chunks, whole memory updates and batches) leaves a
-        row's outputs exactly as they are without it: fully padded chunks attend nothing real and write nothing."""
+        row's outputs exactly as they are without it: fully padded chunks attend nothing real and write nothing.
+        Rows whose left padding differs by such multiples run as one batch; any other left padding works too, each
+        residue as its own batch (`PhaseGroup`)."""
         memory = self.config.memory_config
         return math.lcm(memory.chunk_size, memory.memory_chunk_size,
                         memory.memory_batch_size or memory.memory_chunk_size)
 
-    def _check_left_padding(self, token_mask: Tensor) -> None:
-        """Refuse left padding that would move a row's chunk boundaries (and so change what it computes)."""
+    def _phase_groups(self, token_mask: Tensor | None, cache: TitansCache | None) -> list[PhaseGroup] | None:
+        """The rows of a first call grouped by where their first real token falls in the chunk cycle, so each row's
+        chunks (and memory updates) start at its own first token; None when every row's left padding is a whole
+        multiple of `padding_multiple` (the batch runs as one). With a cache, each group gets its own and the groups
+        stay in it for the calls that continue the stream."""
+        if token_mask is None:
+            return None
         real = token_mask.bool()
-        leading = torch.where(real.any(1), real.int().argmax(1), 0)
-        wrong = [(row, int(count)) for row, count in enumerate(leading.tolist()) if count % self.padding_multiple]
-        if wrong:
-            row, count = wrong[0]
-            raise ValueError(
-                f"forward: row {row} starts with {count} padding tokens; a row's chunks line up with its own start "
-                f"only when its left padding is a multiple of padding_multiple={self.padding_multiple} tokens "
-                "(chunk_size, memory_chunk_size, memory_batch_size): pad each row by such a multiple, or batch rows "
-                "of equal length"
-            )
+        has_tokens = real.any(1)
+        if cache is not None and not bool(has_tokens.all()):
+            row = int((~has_tokens).nonzero()[0])
+            raise ValueError(f"forward: row {row} has no real token in the first piece given to an empty cache; a "
+                             "row's chunks start at its first real token, so the first piece must hold it")
+        phases = torch.where(has_tokens, real.int().argmax(1), 0) % self.padding_multiple
+        if not bool(phases.any()):
+            return None
+        groups = [PhaseGroup(rows=(phases == phase).nonzero().flatten(), phase=phase,
+                             cache=None if cache is None else TitansCache(self.config))
+                  for phase in sorted(set(phases.tolist()))]
+        if cache is not None:
+            cache.phase_groups = groups
+        return groups
 
     def _move_keys(self, keys: Tensor, offset: int) -> Tensor:
         """Keys that RoPE rotated at positions p, as if rotated at p + offset (rotations compose: R(p + o) =
@@ -544,7 +640,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
 
     def _forward_piece(
         self,
-        input_ids: Tensor,
+        inputs: Tensor,
         token_mask: Tensor | None,
         shifted_labels: Tensor | None,
         states: dict[int, MemoryState],
@@ -554,16 +650,19 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         enabled: bool,
         predict: bool = False,
         previous: PreviousChunk | None = None,
-    ) -> tuple[Tensor | None, Tensor | None, Tensor | None, dict[int, MemoryState], PreviousChunk | None]:
-        """Run tokens that lie inside one chunk through the base's own layers, each memory block around its layer.
-        Returns (logits of positions >= keep_from or None, summed loss over labelled positions or None, with
-        `predict` the greedy next token and the loss of every position or None, new memory states, and without a
-        cache but
-        with `previous` (attend_previous_chunk) this chunk's keys, values and mask for the next chunk). Kept separate
-        so it can be checkpointed as one unit, so every input is an argument (`enabled` too: the recomputation in
-        backward may run after `memory_disabled()` has exited) and no cache is changed in it but the decoding one."""
-        batch_size, length = input_ids.shape
-        hidden = self.model.embed_tokens(input_ids)
+        hidden_states: bool = False,
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None, dict[int, MemoryState], PreviousChunk | None,
+               tuple[Tensor, ...] | None]:
+        """Run tokens (ids [B, T], or embeddings [B, T, hidden]) that lie inside one chunk through the base's own
+        layers, each memory block around its layer. Returns (logits of positions >= keep_from or None, summed loss
+        over labelled positions or None, with `predict` the greedy next token and the loss of every position or
+        None, new memory states, without a cache but with `previous` (attend_previous_chunk) this chunk's keys,
+        values and mask for the next chunk, with `hidden_states` the embeddings and every layer's output, the last
+        one normed, as a Qwen model returns them). Kept separate so it can be checkpointed as one unit, so every
+        input is an argument (`enabled` too: the recomputation in backward may run after `memory_disabled()` has
+        exited) and no cache is changed in it but the decoding one."""
+        batch_size, length = inputs.shape[:2]
+        hidden = inputs if inputs.is_floating_point() else self.model.embed_tokens(inputs)
         prefix = self._chunk_prefix(states, batch_size) if starts_chunk and enabled else None
         num_prefix, mask = 0, token_mask
         if prefix is not None:
@@ -593,6 +692,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
 
         new_states = dict(states)
         layer_types = self.config.text_config.layer_types
+        all_hidden = [hidden[:, num_prefix:]] if hidden_states else None
         for index, decoder_layer in enumerate(self.model.layers):
             layer = functools.partial(decoder_layer, attention_mask=masks[layer_types[index]],
                                       position_embeddings=position_embeddings, position_ids=position_ids,
@@ -602,7 +702,11 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
                 hidden = layer(hidden)
             else:
                 hidden, new_states[index] = block(layer, hidden, states[index], token_mask, num_prefix)
+            if all_hidden is not None:
+                all_hidden.append(hidden[:, num_prefix:])
         hidden = self.model.norm(hidden[:, num_prefix:])
+        if all_hidden is not None:
+            all_hidden[-1] = hidden
 
         logits = loss_sum = per_token = None
         if shifted_labels is not None:
@@ -624,7 +728,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
                 [(layer.keys[:, :, past:], layer.values[:, :, past:]) for layer in attention_cache.layers],
                 None if attention_mask is None else as_previous_chunk_mask(attention_mask[:, past:], num_prefix),
             )
-        return logits, loss_sum, per_token, new_states, current
+        return logits, loss_sum, per_token, new_states, current, None if all_hidden is None else tuple(all_hidden)
 
     def forward(
         self,
@@ -637,9 +741,12 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         logits_to_keep: int = 0,
         return_predictions: bool = False,
         return_token_losses: bool = False,
+        inputs_embeds: torch.FloatTensor | None = None,
+        output_hidden_states: bool | None = None,
         **kwargs,
     ) -> "TitansCausalLMOutput":
-        """Stream `input_ids` through the chunks, carrying the memory state.
+        """Stream `input_ids` (or `inputs_embeds`, the embeddings of tokens) through the chunks, carrying the
+        memory state.
 
         `labels` are not shifted (position t predicts labels[t + 1], across chunk boundaries too); the loss is the
         mean over labelled positions, or their sum / `num_items_in_batch` when given (gradient accumulation).
@@ -649,50 +756,162 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         `compute_metrics` (the name avoids "label": the Trainer takes such arguments for label columns), and
         `return_token_losses` the cross-entropy of every labelled token (`token_losses[b, t]` of predicting
         `labels[b, t]`, 0 where unlabelled), what the per-chunk language-model evaluation sums.
+        `output_hidden_states` returns the embeddings and every layer's output over the whole input (the chunks'
+        concatenated, the memory's contribution included; the last one normed), as a Qwen model does.
+
+        Each row's chunks start at its own first real token, so a row left-padded by any amount answers as it does
+        alone (rows at different places of the chunk cycle run as separate batches: see `padding_multiple`);
+        logits and hidden states at padding positions mean nothing (zeros where a row's batch starts after them),
+        and padding positions predict no label.
         `position_ids` from callers are ignored: positions restart at every chunk.
         """
-        self._check_input_ids(input_ids)
-        batch_size, length = input_ids.shape
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("forward: pass exactly one of input_ids and inputs_embeds")
+        inputs = input_ids if inputs_embeds is None else inputs_embeds
+        hidden_size = self.config.text_config.hidden_size
+        if input_ids is not None:
+            self._check_input_ids(input_ids)
+        if inputs_embeds is not None and (inputs_embeds.dim() != 3 or inputs_embeds.shape[1] == 0
+                                          or inputs_embeds.shape[2] != hidden_size
+                                          or not inputs_embeds.is_floating_point()):
+            raise ValueError(f"forward: inputs_embeds must be a [batch, tokens >= 1, {hidden_size}] float tensor, got "
+                             f"{inputs_embeds.dtype} {tuple(inputs_embeds.shape)}")
+        batch_size, length = inputs.shape[:2]
         if cache is not None and not isinstance(cache, TitansCache):
             raise ValueError(f"forward: cache must be a TitansCache, got {type(cache).__name__}")
         if cache is None and use_cache:
             cache = TitansCache(self.config)
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
+        if not isinstance(output_hidden_states, bool):
+            raise ValueError(f"forward: output_hidden_states must be true or false, got {output_hidden_states!r}")
 
         token_mask = None
         if attention_mask is not None:
             if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size or attention_mask.shape[1] < length:
                 raise ValueError(f"forward: attention_mask must be [batch, >= {length}] (2D, 1 = token, 0 = padding), "
                                  f"got {tuple(attention_mask.shape)}")
-            token_mask = attention_mask[:, -length:].to(input_ids.device)
+            token_mask = attention_mask[:, -length:].to(inputs.device)
             if bool(token_mask.all()):
                 token_mask = None  # the common case: skip every masking path
-            elif cache is None or cache.seen_tokens == 0:
-                self._check_left_padding(token_mask)
 
         shifted_labels = None
         if labels is not None:
-            if labels.shape != input_ids.shape:
-                raise ValueError(f"forward: labels {tuple(labels.shape)} must match input_ids {tuple(input_ids.shape)}")
-            labels = labels.to(input_ids.device)
+            if labels.shape != (batch_size, length):
+                raise ValueError(f"forward: labels {tuple(labels.shape)} must be [batch, tokens] = "
+                                 f"{(batch_size, length)}")
+            labels = labels.to(inputs.device)
             shifted_labels = F.pad(labels[:, 1:], (0, 1), value=-100)
+            if token_mask is not None:  # padding predicts nothing: a row's first token has no label, as alone
+                shifted_labels = shifted_labels.masked_fill(token_mask == 0, -100)
 
-        if cache is not None and cache.memory_states is not None:
-            states = cache.memory_states
-        else:
-            states = self.init_memory_states(batch_size, input_ids.device)
-        seen = cache.seen_tokens if cache is not None else 0
-        memory = self.config.memory_config
-        chunk_size, bptt = memory.chunk_size, memory.bptt_chunks
         keep_start = 0 if logits_to_keep == 0 else max(0, length - logits_to_keep)
         if labels is not None and logits_to_keep == 0:
             keep_start = length
+        predict = (return_predictions or return_token_losses) and labels is not None
+        seen = cache.seen_tokens if cache is not None else 0
+        groups = cache.phase_groups if seen else self._phase_groups(token_mask, cache)
+        if groups is None:
+            logits, loss_sum, per_token, hidden_states = self._stream(inputs, token_mask, shifted_labels, cache,
+                                                                      keep_start, predict, output_hidden_states)
+        else:
+            logits, loss_sum, per_token, hidden_states = self._stream_groups(
+                groups, inputs, token_mask, shifted_labels, seen, keep_start, predict, output_hidden_states)
+            if cache is not None:
+                cache.seen_tokens = seen + length
+
+        loss = None
+        if loss_sum is not None:
+            if num_items_in_batch is not None:
+                if isinstance(num_items_in_batch, Tensor):
+                    num_items_in_batch = num_items_in_batch.to(loss_sum.device)
+                loss = loss_sum / num_items_in_batch
+            else:
+                loss = loss_sum / (shifted_labels != -100).sum().clamp(min=1)
+        label_predictions = token_losses = None
+        if per_token is not None:  # position t - 1 predicts labels[t]
+            labelled = labels[:, 1:] != -100
+            greedy, losses = per_token
+            if return_predictions:
+                label_predictions = torch.full_like(labels, -100)
+                label_predictions[:, 1:] = torch.where(labelled, greedy[:, :-1], -100)
+            if return_token_losses:
+                token_losses = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
+                token_losses[:, 1:] = losses[:, :-1]
+        return TitansCausalLMOutput(loss=loss, logits=logits, cache=cache, hidden_states=hidden_states,
+                                    label_predictions=label_predictions, token_losses=token_losses)
+
+    def _stream_groups(
+        self,
+        groups: list[PhaseGroup],
+        inputs: Tensor,
+        token_mask: Tensor | None,
+        shifted_labels: Tensor | None,
+        seen: int,
+        keep_start: int,
+        predict: bool,
+        hidden_states: bool,
+    ) -> tuple[Tensor | None, Tensor | None, tuple[Tensor, Tensor] | None, tuple[Tensor, ...] | None]:
+        """`_stream` for each phase group from its phase on (a first call drops the group's first `phase` columns,
+        padding in all its rows), each with its own cache, the results put back in the batch's rows and columns."""
+        batch_size, length = inputs.shape[:2]
+        results = []
+        for group in groups:
+            skip = max(0, group.phase - seen)
+            take = lambda t: None if t is None else t[group.rows, skip:]  # noqa: E731
+            results.append((group.rows, skip, self._stream(take(inputs), take(token_mask), take(shifted_labels),
+                                                           group.cache, max(0, keep_start - skip), predict,
+                                                           hidden_states)))
+
+        def place(parts: list[tuple[Tensor, int, Tensor]], width: int, fill: float) -> Tensor:
+            out = parts[0][2].new_full((batch_size, width, *parts[0][2].shape[2:]), fill)
+            for rows, column, part in parts:
+                out[rows, column:] = part
+            return out
+
+        logits = loss_sum = per_token = all_hidden = None
+        if results[0][2][0] is not None:
+            logits = place([(rows, max(0, skip - keep_start), out[0]) for rows, skip, out in results],
+                           length - keep_start, 0.0)
+        sums = [out[1] for _, _, out in results if out[1] is not None]
+        if sums:
+            loss_sum = functools.reduce(torch.add, sums)
+        if predict:
+            per_token = (place([(rows, skip, out[2][0]) for rows, skip, out in results], length, -100),
+                         place([(rows, skip, out[2][1]) for rows, skip, out in results], length, 0.0))
+        if hidden_states:
+            all_hidden = tuple(place([(rows, skip, out[3][index]) for rows, skip, out in results], length, 0.0)
+                               for index in range(len(results[0][2][3])))
+        return logits, loss_sum, per_token, all_hidden
+
+    def _stream(
+        self,
+        inputs: Tensor,
+        token_mask: Tensor | None,
+        shifted_labels: Tensor | None,
+        cache: TitansCache | None,
+        keep_start: int,
+        predict: bool,
+        hidden_states: bool,
+    ) -> tuple[Tensor | None, Tensor | None, tuple[Tensor, Tensor] | None, tuple[Tensor, ...] | None]:
+        """The chunk loop over rows whose chunks line up: (logits of positions >= keep_start or None, summed loss or
+        None, with `predict` the greedy next token and loss of every position, with `hidden_states` the per-layer
+        hidden states). Continues `cache`'s stream and leaves it after these tokens."""
+        batch_size, length = inputs.shape[:2]
+        if cache is not None and cache.memory_states is not None:
+            states = cache.memory_states
+        else:
+            states = self.init_memory_states(batch_size, inputs.device)
+        seen = cache.seen_tokens if cache is not None else 0
+        memory = self.config.memory_config
+        chunk_size, bptt = memory.chunk_size, memory.bptt_chunks
         use_checkpoint = (memory.checkpoint_chunks and self.training and torch.is_grad_enabled()
                           and cache is None)
 
         window = memory.attend_previous_chunk
         # without a cache, the previous chunk's keys travel from piece to piece (with one, the cache holds them)
         previous = PreviousChunk([], None) if window and cache is None else None
-        all_logits, per_token, loss_sum, start = [], [], None, 0
+        all_logits, per_token, all_hidden, loss_sum, start = [], [], [], None, 0
         while start < length:
             position = seen + start
             end = min(length, start + chunk_size - position % chunk_size)
@@ -705,7 +924,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
                 states = {layer: state.detach() for layer, state in states.items()}
                 previous = previous.detach() if previous is not None else None
             piece = (
-                input_ids[:, start:end],
+                inputs[:, start:end],
                 None if token_mask is None else token_mask[:, start:end],
                 None if shifted_labels is None else shifted_labels[:, start:end],
                 states,
@@ -713,14 +932,15 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
                 starts_chunk,
                 max(0, keep_start - start),
                 self._memory_enabled,
-                (return_predictions or return_token_losses) and labels is not None,
+                predict,
                 previous,
+                hidden_states,
             )
             if use_checkpoint:
-                logits, piece_loss, piece_tokens, states, current = checkpoint(self._forward_piece, *piece,
-                                                                               use_reentrant=False)
+                logits, piece_loss, piece_tokens, states, current, piece_hidden = checkpoint(
+                    self._forward_piece, *piece, use_reentrant=False)
             else:
-                logits, piece_loss, piece_tokens, states, current = self._forward_piece(*piece)
+                logits, piece_loss, piece_tokens, states, current, piece_hidden = self._forward_piece(*piece)
             if current is not None:  # the next chunk sees this one at the positions before its own
                 current.key_values = [(self._move_keys(keys, -previous.length), values)
                                       for keys, values in current.key_values]
@@ -729,6 +949,8 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
                 all_logits.append(logits)
             if piece_tokens is not None:
                 per_token.append(piece_tokens)
+            if piece_hidden is not None:
+                all_hidden.append(piece_hidden)
             if piece_loss is not None:
                 loss_sum = piece_loss if loss_sum is None else loss_sum + piece_loss
             start = end
@@ -736,29 +958,13 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         if cache is not None:
             cache.memory_states = states
             cache.seen_tokens = seen + length
-
-        loss = None
-        if loss_sum is not None:
-            if num_items_in_batch is not None:
-                if isinstance(num_items_in_batch, Tensor):
-                    num_items_in_batch = num_items_in_batch.to(loss_sum.device)
-                loss = loss_sum / num_items_in_batch
-            else:
-                loss = loss_sum / (shifted_labels != -100).sum().clamp(min=1)
-        logits = None
-        if all_logits:
-            logits = all_logits[0] if len(all_logits) == 1 else torch.cat(all_logits, dim=1)
-        label_predictions = token_losses = None
-        if per_token:  # position t - 1 predicts labels[t]
-            labelled = labels[:, 1:] != -100
-            if return_predictions:
-                label_predictions = torch.full_like(labels, -100)
-                label_predictions[:, 1:] = torch.where(labelled, torch.cat([g for g, _ in per_token], 1)[:, :-1], -100)
-            if return_token_losses:
-                token_losses = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
-                token_losses[:, 1:] = torch.cat([t for _, t in per_token], 1)[:, :-1]
-        return TitansCausalLMOutput(loss=loss, logits=logits, cache=cache, label_predictions=label_predictions,
-                                    token_losses=token_losses)
+        join = lambda parts: parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # noqa: E731
+        return (
+            join(all_logits) if all_logits else None,
+            loss_sum,
+            (join([g for g, _ in per_token]), join([t for _, t in per_token])) if per_token else None,
+            tuple(join(layer) for layer in zip(*all_hidden)) if all_hidden else None,
+        )
 
     # ---- generation ----
 

@@ -36,7 +36,8 @@ from transformers import AutoConfig, AutoTokenizer, TrainerCallback, set_seed
 from titans_hf.data.babilong_builder import build_babilong
 from titans_hf.data.tokens_builder import check_stores_tokenizer, store_data_files
 from titans_hf.hub import TitansMemoryConfig
-from titans_hf.modeling import TitansQwenForCausalLM
+from titans_hf.modeling import MEMORY_VARIANTS, TitansQwenForCausalLM
+from titans_hf.modeling.memory import CONV_INITS, MEMORY_MODELS
 from titans_hf.tasks.babilong import find_babilong_sources
 from titans_hf.utils import check_tokenizer_argument
 
@@ -50,6 +51,8 @@ logger = logging.getLogger(__name__)
 class ModelArguments:
     """The base model to put a memory on."""
 
+    _argument_group_name = "the base model"  # the group of these flags in `titans-hf train --help`
+
     model_name_or_path: str = field(metadata={"help": "Base Qwen2/Qwen3: Hub id or local folder."})
     model_revision: str | None = field(default=None, metadata={"help": "Revision of a base on the Hub."})
     dtype: str | None = field(
@@ -61,11 +64,15 @@ class ModelArguments:
 def _memory_arguments() -> type:
     """The memory's flags: every TitansMemoryConfig setting, with its default and help (one source)."""
     settings = set(TitansMemoryConfig.setting_names())
+    # the settings named from a registry: a wrong name is a usage error before anything loads
+    choices = {"variant": MEMORY_VARIANTS, "memory_model": MEMORY_MODELS, "conv_init": CONV_INITS}
     return dataclasses.make_dataclass(
         "MemoryArguments",
-        [(f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata))
+        [(f.name, f.type, dataclasses.field(default=f.default, metadata={
+            **f.metadata, **({"choices": sorted(choices[f.name])} if f.name in choices else {})}))
          for f in dataclasses.fields(TitansMemoryConfig) if f.name in settings],
-        namespace={"__doc__": "The memory's settings (TitansMemoryConfig fields).", "__module__": __name__},
+        namespace={"__doc__": "The memory's settings (TitansMemoryConfig fields).", "__module__": __name__,
+                   "_argument_group_name": "the memory (saved in memory_config.json)"},
     )
 
 
@@ -79,6 +86,8 @@ DATASETS = ("titans_babilong", "titans_tokens")
 class DataArguments:
     """Where the rows come from: BABILong (published parquet / JSON files or snapshot folders, or the offline
     generator at one or more lengths), or token stores of your own documents."""
+
+    _argument_group_name = "the data"
 
     dataset: str = field(
         default="titans_babilong",
@@ -168,6 +177,8 @@ class DataArguments:
 
 @dataclass
 class RecipeTrainingArguments(TitansTrainingArguments):
+    _argument_group_name = "training (transformers.TrainingArguments, plus log_every_batches, curriculum_chunks, hub_*)"
+
     output_dir: str | None = field(
         default="outputs/titans_memory",
         metadata={"help": "Checkpoints go to checkpoint-N below it, the final memory into it."},

@@ -385,7 +385,8 @@ class TitansTrainer(Trainer):
             self.processing_class.save_pretrained(output_dir)
         atomic_write_json(Path(output_dir, TRAINING_ARGS_JSON_NAME),
                           {**json.loads(self.args.to_json_string()), "world_size": self.args.world_size})
-        save_memory_folder(output_dir, getattr(model.config, "memory_config", None), memory, base)
+        model_config = model.memory_folder_config() if hasattr(model, "memory_folder_config") else None
+        save_memory_folder(output_dir, getattr(model.config, "memory_config", None), memory, base, model_config)
 
     def _save_checkpoint(self, model: nn.Module, trial) -> None:
         """The Trainer's checkpoint plus the sampler's state, into a fresh folder: what a save that was cut short

@@ -1,0 +1,98 @@
+"""The `titans-hf` command line as a user meets it: help that says what each command does, both spellings of every
+flag, lengths such as 4k, a missing local path named as missing, usage errors in one line, one version."""
+
+import importlib.metadata
+import subprocess
+import sys
+
+import pytest
+
+import titans_hf
+from titans_hf.commands import build_parser, cli, one_spelling
+from titans_hf.commands.train import parse_arguments
+
+
+@pytest.fixture
+def run_cli(monkeypatch, capsys):
+    """The `titans-hf` program in this process: (exit status, stdout, stderr)."""
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        monkeypatch.setattr(sys, "argv", ["titans-hf", *argv])
+        with pytest.raises(SystemExit) as exit_:
+            cli()
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(argv, exit_.value.code or 0, out.out, out.err)
+
+    return run
+
+
+def parse(*argv: str):
+    args, _ = build_parser().parse_known_args(one_spelling(list(argv)))
+    return args
+
+
+def test_help_says_what_each_command_does_for_the_user(run_cli):
+    result = run_cli("--help")
+    assert result.returncode == 0
+    for command in ("prepare", "babilong", "recall", "train", "eval", "lm-eval", "push", "demo"):
+        assert f"    {command} " in result.stdout
+    assert "thin parser" not in result.stdout and "long-term memory" in result.stdout
+    prepare = run_cli("prepare", "--help").stdout
+    assert "SFT_FORMATS" not in prepare and "chat_tokens" not in prepare and "chat template" in prepare
+    train = run_cli("train", "--help").stdout
+    assert train.startswith("usage: titans-hf train")
+    groups = [line for line in train.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+    assert groups == ["options:", "the base model:", "the memory (saved in memory_config.json):", "the data:",
+                      "training (transformers.TrainingArguments, plus log_every_batches, curriculum_chunks, hub_*):"]
+
+
+def test_every_flag_takes_both_spellings_and_lengths_take_k():
+    for spelling in ("--window-size", "--window_size"):
+        args = parse("eval", "--lm", "--model", ".", "--data", "x.h5", "--output", "out", spelling, "4k",
+                     "--stride=2k")
+        assert (args.window_size, args.stride) == (4096, 2048)
+    assert parse("eval", "--model", ".", "--generate", "--output", "o", "--max_new_tokens", "3").max_new_tokens == 3
+    args = parse("babilong", "generate", "--task", "qa1", "--length", "4k", "--num_samples", "2", "--tokenizer", ".",
+                 "--output", "o.json")
+    assert (args.length, args.num_samples) == (4096, 2)
+    model, memory, data, _ = parse_arguments(["--model-name-or-path", ".", "--window-size", "4k", "--max_length=2k",
+                                              "--chunk_size", "1k", "--generate_lengths", "1k", "300",
+                                              "--output-dir", "out"])
+    assert (data.window_size, data.max_length, memory.chunk_size, data.generate_lengths) == (4096, 2048, 1024,
+                                                                                              [1024, 300])
+
+
+def test_usage_errors_are_one_line_without_a_traceback(run_cli, tmp_path, monkeypatch):
+    missing = run_cli("eval", "--model", "outputs/demo/memroy", "--data", "x.json", "--output", str(tmp_path))
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert "outputs/demo/memroy: no such file or folder" in missing.stderr
+    (tmp_path / "outputs").mkdir()  # a first part that is a local folder: a typo, not a Hub id
+    monkeypatch.chdir(tmp_path)
+    typo = run_cli("eval", "--model", "outputs/memroy", "--data", "x.json", "--output", "o")
+    assert typo.returncode == 2 and "outputs/memroy: no such file or folder" in typo.stderr
+    variant = run_cli("train", "--model_name_or_path", ".", "--variant", "magg")
+    assert variant.returncode == 2 and "Traceback" not in variant.stderr
+    assert "--variant: invalid choice: 'magg'" in variant.stderr
+    length = run_cli("babilong", "generate", "--task", "qa1", "--length", "4kb", "--num-samples", "1", "--tokenizer",
+                     ".", "--output", str(tmp_path / "x.json"))
+    assert length.returncode == 2 and "'4kb' is not a length in tokens" in length.stderr
+    # an error the command itself finds (a ValueError) is one line too
+    lengths = run_cli("eval", "--model", ".", "--generate", "--output", str(tmp_path / "out"))
+    assert lengths.returncode == 2 and "Traceback" not in lengths.stderr
+    assert lengths.stderr.strip() == "titans-hf: error: titans-hf eval --generate needs --lengths (input lengths in tokens)"
+
+
+def test_one_version_everywhere(run_cli):
+    assert importlib.metadata.version("titans_hf") == titans_hf.__version__
+    assert run_cli("--version").stdout.strip() == f"titans-hf {titans_hf.__version__}"
+    program = subprocess.run([sys.executable, "-m", "titans_hf.commands", "--version"], capture_output=True, text=True)
+    assert program.stdout.strip() == f"titans-hf {titans_hf.__version__}"  # python -m is the same program
+    (script,) = [entry for entry in importlib.metadata.entry_points(group="console_scripts") if entry.name == "titans-hf"]
+    assert script.value == "titans_hf.commands:cli"
+
+
+@pytest.mark.parametrize("command", ["prepare", "eval", "lm-eval", "babilong generate", "recall generate", "push",
+                                     "demo"])
+def test_every_command_has_help(run_cli, command):
+    result = run_cli(*command.split(), "--help")
+    assert result.returncode == 0 and result.stdout.startswith(f"usage: titans-hf {command}")

@@ -1,0 +1,84 @@
+"""`titans-hf lm-eval`: lm-eval tasks on a memory folder, loglikelihood and generate_until, in batches of mixed
+lengths (left-padded by lm-eval for generation) that answer every request as it is answered alone."""
+
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from titans_hf.commands import main as cli_main
+
+from test_modeling import VARIANT_SETTINGS, build
+
+pytest.importorskip("lm_eval")
+
+QUESTIONS = [
+    ("Mary went to the kitchen. Where is Mary?", "kitchen"),
+    ("John moved to the garden.", "garden"),
+    ("Where is Sandra? Sandra travelled to the office. Daniel went back to the hallway. Answer:", "office"),
+    ("The old clock", "bedroom"),
+    ("Daniel journeyed to the bathroom. Mary went to the garden. John moved to the kitchen. Question: Where is "
+     "Daniel? Answer:", "bathroom"),
+]
+TASK = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {rows}
+test_split: test
+output_type: {output_type}
+doc_to_text: "{{{{question}}}}"
+doc_to_target: " {{{{answer}}}}"
+"""
+GENERATE = """generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 4
+  do_sample: false
+metric_list:
+  - metric: exact_match
+"""
+
+
+@pytest.fixture
+def tasks(tmp_path):
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in QUESTIONS))
+    (folder / "tiny_ll.yaml").write_text(TASK.format(name="tiny_ll", rows=rows, output_type="loglikelihood")
+                                         + "metric_list:\n  - metric: acc\n")
+    (folder / "tiny_gen.yaml").write_text(TASK.format(name="tiny_gen", rows=rows, output_type="generate_until")
+                                          + GENERATE)
+    return folder
+
+
+def run(folder, tasks, output, *flags):
+    assert cli_main(["lm-eval", "--model", str(folder), "--tasks", "tiny_ll", "tiny_gen", "--include-path",
+                     str(tasks), "--output", str(output), "--log-samples", *flags]) == 0
+    return json.loads((output / "lm_eval_results.json").read_text())
+
+
+def test_lm_eval_batches_answer_as_each_request_alone(tmp_path, tiny_qwen3_dir, tasks):
+    model = build(tiny_qwen3_dir, **VARIANT_SETTINGS["mag"])
+    folder = tmp_path / "memory"
+    model.save_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    phases = {len(tokenizer(question)["input_ids"]) % model.padding_multiple for question, _ in QUESTIONS}
+    assert len(phases) > 1  # lm-eval's left-padded generation batches mix places in the chunk cycle
+    alone = run(folder, tasks, tmp_path / "alone", "--batch-size", "1")
+    batched = run(folder, tasks, tmp_path / "batched", "--batch-size", "4")
+    assert set(batched["results"]) == {"tiny_ll", "tiny_gen"}
+    assert batched["results"] == alone["results"]
+    assert [s["resps"] for s in batched["samples"]["tiny_gen"]] == [s["resps"] for s in alone["samples"]["tiny_gen"]]
+    for one, many in zip(alone["samples"]["tiny_ll"], batched["samples"]["tiny_ll"]):
+        assert many["resps"][0][0][0] == pytest.approx(one["resps"][0][0][0], abs=1e-4)
+    # the ablation runs the same weights with the memory off, and answers otherwise
+    off = run(folder, tasks, tmp_path / "off", "--batch-size", "4", "--memory-off")
+    assert off["titans_hf"]["memory_off"] is True
+    assert [s["resps"] for s in off["samples"]["tiny_ll"]] != [s["resps"] for s in batched["samples"]["tiny_ll"]]
+
+
+def test_lm_eval_names_an_unknown_task(tmp_path, tiny_qwen3_dir, tasks):
+    with pytest.raises(ValueError, match=r"no lm-eval task or group is called \['tiny_nothing'\]"):
+        cli_main(["lm-eval", "--model", str(tiny_qwen3_dir), "--tasks", "tiny_nothing", "--include-path", str(tasks),
+                  "--output", str(tmp_path / "out")])

@@ -1,0 +1,85 @@
+"""`titans-hf lm-eval`: any lm-eval task on a memory, through lm-eval's own `simple_evaluate` and `HFLM` (lm-eval
+0.4.13 cannot import a package that registers a model type, so its `lm_eval` command cannot load a memory)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from pathlib import Path
+
+from titans_hf.utils import atomic_write, prepare_output_dir
+
+from .arguments import local_or_hub
+
+RESULTS_NAME = "lm_eval_results.json"
+
+
+def register(subcommands: argparse._SubParsersAction) -> None:
+    parser = subcommands.add_parser(
+        "lm-eval",
+        help="run lm-eval tasks (loglikelihood, generate_until, ...) on a memory, or on its base with the memory off",
+        description="Run tasks of EleutherAI's lm-evaluation-harness on a trained memory, the way `lm_eval --model "
+        "hf` runs them on any Hugging Face model: lm-eval's simple_evaluate with HFLM(pretrained=<the loaded "
+        "model>). Batches of mixed lengths answer each request as it is answered alone. Needs the lm_eval extra: "
+        "pip install 'titans_hf[lm_eval]'. Writes lm_eval_results.json to --output and prints lm-eval's table.",
+    )
+    model = parser.add_argument_group("the model")
+    model.add_argument("--model", required=True, type=local_or_hub,
+                       help="a memory folder or Hub id (it names its base), a base Qwen (with --memory), or a full "
+                       "TitansQwen folder")
+    model.add_argument("--memory", default=None, type=local_or_hub,
+                       help="memory folder or Hub id, to put on the --model base")
+    model.add_argument("--tokenizer", default=None, type=local_or_hub,
+                       help="tokenizer name or path (default: the base model's)")
+    model.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    model.add_argument("--device", default=None, help="e.g. cuda or cpu (default: where the model loads)")
+    model.add_argument("--memory-off", action="store_true",
+                       help="the ablation: the same weights with the memory switched off (the base chunk by chunk)")
+    tasks = parser.add_argument_group("the tasks")
+    tasks.add_argument("--tasks", nargs="+", required=True,
+                       help="lm-eval task or group names (or glob patterns), e.g. hellaswag, or your own tasks' names "
+                       "with --include-path")
+    tasks.add_argument("--include-path", default=None, help="a folder of your own task YAML files")
+    tasks.add_argument("--num-fewshot", type=int, default=None, help="examples in each prompt (default: the task's)")
+    tasks.add_argument("--limit", type=float, default=None,
+                       help="evaluate only this many documents per task (a fraction below 1)")
+    run = parser.add_argument_group("the run")
+    run.add_argument("--batch-size", type=int, default=1, help="requests per batch")
+    run.add_argument("--seed", type=int, default=0, help="lm-eval's random, numpy, torch and few-shot seeds")
+    run.add_argument("--log-samples", action="store_true",
+                     help="also write every request's inputs and responses into the results")
+    run.add_argument("--output", required=True, help="folder for lm_eval_results.json")
+    parser.set_defaults(func=lm_eval_command)
+
+
+def lm_eval_command(args: argparse.Namespace) -> int:
+    try:
+        from lm_eval import simple_evaluate
+        from lm_eval.models.huggingface import HFLM
+        from lm_eval.tasks import TaskManager
+        from lm_eval.utils import handle_non_serializable, make_table
+    except ImportError as error:
+        raise ValueError(f"titans-hf lm-eval needs lm-eval: pip install 'titans_hf[lm_eval]' ({error})") from error
+    from titans_hf.evaluation import load_model_for_eval
+
+    task_manager = TaskManager(include_path=args.include_path)
+    unknown = [name for name in args.tasks if not task_manager.match_tasks([name])]
+    if unknown:
+        raise ValueError(f"titans-hf lm-eval: no lm-eval task or group is called {unknown}"
+                         + ("" if args.include_path else " (your own tasks' folder goes to --include-path)"))
+    output = prepare_output_dir(args.output, (RESULTS_NAME,))
+    model, tokenizer = load_model_for_eval(args.model, args.memory, args.tokenizer, args.dtype, args.device)
+    lm = HFLM(pretrained=model.eval(), tokenizer=tokenizer, backend="causal", batch_size=args.batch_size)
+    with model.memory_disabled() if args.memory_off else contextlib.nullcontext():
+        results = simple_evaluate(
+            model=lm, tasks=args.tasks, num_fewshot=args.num_fewshot, limit=args.limit, task_manager=task_manager,
+            log_samples=args.log_samples, random_seed=args.seed, numpy_random_seed=args.seed,
+            torch_random_seed=args.seed, fewshot_random_seed=args.seed,
+        )
+    results["titans_hf"] = {"model": args.model, "memory": args.memory, "memory_off": args.memory_off}
+    text = json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False) + "\n"
+    path = atomic_write(output / RESULTS_NAME, lambda temporary: Path(temporary).write_text(text, encoding="utf-8"))
+    print(make_table(results))
+    print(f"wrote {path}")
+    return 0
