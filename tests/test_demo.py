@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from titans_hf.tasks.babilong import ACTORS, LOCATIONS, MOVE_VERBS, OBJECTS, generate_babilong
 from titans_hf.commands import main as cli_main
 from titans_hf.demo import build_demo_tokenizer, domain_documents, run_demo
+from titans_hf.utils import replaceable_folder_problem
 from titans_hf.modeling import TitansQwenForCausalLM
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -73,6 +74,12 @@ def test_domain_documents_answer_every_question_from_the_facts_before_it():
                 where[actor] = location
     assert asked > 20
     assert documents == domain_documents("qa1", 50, seed=3) != domain_documents("qa1", 50, seed=4)
+
+
+def test_the_demo_folder_is_recorded_whole_so_a_rerun_may_replace_it(demo):
+    output = demo["paths"]["results"].parent
+    assert replaceable_folder_problem(output) is None
+    assert not (demo["paths"]["memory"] / ".titans_hf_train.lock").exists()
 
 
 def test_stage_a_saves_a_plain_qwen_folder(demo):

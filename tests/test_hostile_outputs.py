@@ -23,6 +23,7 @@ from titans_hf.utils import (
     atomic_write_text,
     check_folder_output,
     record_folder,
+    writing_folder,
 )
 
 
@@ -67,6 +68,49 @@ def test_a_folder_the_tool_wrote_is_replaceable_until_someone_adds_or_edits_a_fi
     (folder / "config.json").write_text('{"edited": true}')
     with pytest.raises(FileExistsError, match=r"files changed since titans_hf wrote them: \['config.json'\]"):
         check_folder_output(folder, overwrite=True)
+
+
+def test_a_folder_written_in_place_replaces_only_its_own_kind_and_a_failure_puts_the_old_one_back(tmp_path):
+    folder = tmp_path / "demo"
+    with writing_folder(folder, overwrite=False, command="titans-hf demo") as output:
+        (output / "memory").mkdir()
+        (output / "memory" / "weights.bin").write_bytes(b"first")
+    first = checksums(folder)
+    assert json.loads((folder / MANIFEST_NAME).read_text())["folder"] == {"command": "titans-hf demo"}
+    with pytest.raises(FileExistsError, match=r"demo exists; pass --overwrite"):
+        with writing_folder(folder, overwrite=False, command="titans-hf demo"):
+            raise AssertionError("refused before the block runs")
+
+    with pytest.raises(RuntimeError, match="cut short"):
+        with writing_folder(folder, overwrite=True, command="titans-hf demo") as output:
+            assert not (output / "memory").exists()  # the old folder is set aside, the new one starts empty
+            (output / "half.txt").write_text("half")
+            raise RuntimeError("cut short")
+    assert checksums(folder) == first  # the failed run left the earlier folder as it was
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["demo"]
+
+    with writing_folder(folder, overwrite=True, command="titans-hf demo") as output:
+        (output / "second.txt").write_text("second")
+    assert sorted(checksums(folder)) == [MANIFEST_NAME, "second.txt"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["demo"]
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(RuntimeError):
+        with writing_folder(empty, overwrite=False, command="titans-hf demo") as output:
+            (output / "half.txt").write_text("half")
+            raise RuntimeError("cut short")
+    assert empty.is_dir() and not any(empty.iterdir())
+
+
+def test_the_demo_refuses_a_users_folder_before_any_work(tmp_path):
+    folder = user_project(tmp_path / "project")
+    before = checksums(folder)
+    for flags in ([], ["--overwrite"]):
+        with pytest.raises(FileExistsError, match=r"project(: will not replace it, even with --overwrite| exists)"):
+            cli_main(["demo", "--output-dir", str(folder), "--pretrain-steps", "1", *flags])
+    assert checksums(folder) == before
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["project"]
 
 
 def test_eval_keeps_earlier_outputs_without_overwrite_and_a_users_files_even_with_it(tmp_path, tiny_qwen3_dir):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import h5py
@@ -19,12 +20,10 @@ import pytest
 from datasets import load_dataset
 from transformers import AutoTokenizer
 
-from titans_hf.data import prepare as prepare_module
 from titans_hf.data.prepare import prepare
 from titans_hf.data.stores import FORMAT_VERSION, H5Store, open_store
 from titans_hf.data.tokens_builder import check_stores_tokenizer
 from titans_hf.local_models import build_tokenizer
-from titans_hf.tasks.babilong import files as babilong_files
 from titans_hf.tasks.babilong.files import read_babilong_file
 
 
@@ -60,7 +59,7 @@ def test_a_tiny_parquet_with_one_huge_row_is_refused_from_its_metadata(tmp_path,
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    monkeypatch.setattr(babilong_files, "MAX_ROW_CHARACTERS", 1 << 16)  # a "huge" row of 1 MB keeps the test fast
+    monkeypatch.setenv("TITANS_HF_MAX_TEXT_CHARACTERS", str(1 << 16))  # a "huge" row of 1 MB keeps the test fast
     path = tmp_path / "1k" / "qa1-00000-of-00001.parquet"
     path.parent.mkdir()
     pq.write_table(pa.table({"input": ["a" * (1 << 20)], "question": ["Where is Mary? "], "target": ["garden"]}),
@@ -84,7 +83,7 @@ def test_a_tiny_parquet_with_one_huge_row_is_refused_from_its_metadata(tmp_path,
 
 
 def test_prepare_refuses_a_single_huge_line_naming_file_and_line(tmp_path, tiny_tokenizer_dir, monkeypatch):
-    monkeypatch.setattr(prepare_module, "MAX_TEXT_CHARS", 4096)
+    monkeypatch.setenv("TITANS_HF_MAX_TEXT_CHARACTERS", "4096")
     source = tmp_path / "docs.jsonl"
     source.write_text(json.dumps({"text": "short"}) + "\n" + json.dumps({"text": "word " * 2000}) + "\n")
     before = checksums(source)
@@ -179,3 +178,13 @@ def test_builder_settings_of_the_wrong_type_are_named(tmp_path, tiny_tokenizer_d
     with pytest.raises(ValueError, match=r"titans_babilong: max_length='512' must be an integer \(got str\)"):
         load_dataset("titans_babilong", data_files=str(source), tokenizer=str(tiny_tokenizer_dir), max_length="512",
                      cache_dir=str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("value", ["lots", "0", "-5", "1.5"])
+def test_a_text_size_limit_that_is_not_a_positive_count_is_named(tmp_path, tiny_tokenizer_dir, monkeypatch, value):
+    source = tmp_path / "docs.jsonl"
+    source.write_text(json.dumps({"text": "short"}) + "\n")
+    monkeypatch.setenv("TITANS_HF_MAX_TEXT_CHARACTERS", value)
+    with pytest.raises(ValueError, match=rf"\$TITANS_HF_MAX_TEXT_CHARACTERS='{re.escape(value)}': must be a positive"):
+        prepare(source, tmp_path / "out.h5", tiny_tokenizer_dir)
+    assert not (tmp_path / "out.h5").exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,55 @@ def test_resuming_with_changed_settings_names_each_of_them(tiny_qwen3_dir, rows,
     assert "checkpoint-2" in message
     assert "learning_rate 0.01 -> 0.005" in message and "gradient_accumulation_steps 2 -> 3" in message
     assert "seed" not in message
+
+
+def test_the_final_save_never_replaces_a_users_file_in_output_dir(tiny_qwen3_dir, rows, tmp_path):  # noqa: F811
+    """A user's tokenizer.json where the final save would write its own: refused before any step, kept as it was."""
+    (tmp_path / "tokenizer.json").write_text("my own tokenizer\n")
+    with pytest.raises(FileExistsError, match=r"would replace .*tokenizer\.json, and titans_hf did not write it"):
+        make_trainer(tiny_qwen3_dir, tmp_path, rows, max_steps=1, save_strategy="no").train()
+    assert (tmp_path / "tokenizer.json").read_text() == "my own tokenizer\n"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["tokenizer.json"]  # no step, no lock left
+
+
+def test_a_fresh_run_replaces_an_earlier_memory_only_with_overwrite_output_dir(tiny_qwen3_dir, rows, tmp_path):  # noqa: F811
+    first = make_trainer(tiny_qwen3_dir, tmp_path, rows, max_steps=1, save_strategy="no")
+    first.train()
+    first.save_model()
+    saved = checksums(tmp_path)
+    assert {"memory_model.safetensors", "memory_config.json", "config.json", "tokenizer.json",
+            "training_args.json", ".titans_hf_outputs.json"} <= set(saved)
+    with pytest.raises(FileExistsError, match=r"holds the memory an earlier run saved .*--overwrite_output_dir"):
+        make_trainer(tiny_qwen3_dir, tmp_path, rows, max_steps=1, save_strategy="no").train()
+    assert checksums(tmp_path) == saved
+
+    second = make_trainer(tiny_qwen3_dir, tmp_path, rows, max_steps=1, save_strategy="no", overwrite_output_dir=True,
+                          learning_rate=0.5)
+    second.train()
+    second.save_model()
+    assert checksums(tmp_path)["memory_model.safetensors"] != saved["memory_model.safetensors"]
+
+    config = tmp_path / "memory_config.json"
+    config.write_text(config.read_text().replace('"chunk_size"', '"chunk_size" ', 1))  # a user's edit
+    with pytest.raises(FileExistsError, match=r"memory_config\.json, and it changed since titans-hf train wrote it"):
+        make_trainer(tiny_qwen3_dir, tmp_path, rows, max_steps=1, save_strategy="no",
+                     overwrite_output_dir=True).train()
+
+
+def test_the_lock_file_goes_when_the_run_ends_and_a_stale_one_blocks_nothing(tiny_qwen3_dir, rows, tmp_path,  # noqa: F811
+                                                                             monkeypatch):
+    from transformers import Trainer
+
+    lock = tmp_path / ".titans_hf_train.lock"
+    lock.write_text("process 999999\n")  # left by a run killed with -9: no process holds it
+    make_trainer(tiny_qwen3_dir, tmp_path, rows, max_steps=1, save_strategy="no").train()
+    assert not lock.exists()
+
+    def failing_train(self, *args, **kwargs):
+        assert lock.read_text() == f"process {os.getpid()}\n"  # held while the run runs
+        raise RuntimeError("the run fails")
+
+    monkeypatch.setattr(Trainer, "train", failing_train)
+    with pytest.raises(RuntimeError, match="the run fails"):
+        make_trainer(tiny_qwen3_dir, tmp_path, rows, max_steps=1, save_strategy="no").train()
+    assert not lock.exists()

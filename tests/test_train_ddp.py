@@ -141,7 +141,7 @@ def test_cli_and_script_are_one_deterministic_entry(tmp_path, tiny_qwen3_dir, ba
     tokenizer_files = sorted(f for f in os.listdir(tiny_qwen3_dir) if f.startswith("tokenizer"))
     for run in ("cli", "script"):
         assert sorted(os.listdir(tmp_path / run)) == sorted([
-            ".titans_hf_train.lock", "checkpoint-2", "config.json", "memory_config.json", "memory_model.safetensors",
+            ".titans_hf_outputs.json", "checkpoint-2", "config.json", "memory_config.json", "memory_model.safetensors",
             "training_args.json", *tokenizer_files,
         ])  # fmt: skip
     cli, script_weights = (load_file(tmp_path / run / "memory_model.safetensors") for run in ("cli", "script"))

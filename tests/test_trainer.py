@@ -262,7 +262,7 @@ def test_checkpoint_holds_only_the_memory(tiny_qwen3_dir, rows, tmp_path):
     assert not [name for name in saved if name.startswith(("model.", "lm_head."))]
     assert all(torch.equal(saved[name], memory[name]) for name in memory)
     assert json.loads((checkpoint / "sampler_state.json").read_text())["epoch"] == 0
-    assert sorted(os.listdir(tmp_path)) == [".titans_hf_train.lock", "checkpoint-1", "checkpoint-2"]
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-1", "checkpoint-2"]  # the lock went with the run
     # a checkpoint is a save_memory folder: it loads back onto the base
     reloaded = TitansQwenForCausalLM.from_base_and_memory(tiny_qwen3_dir, checkpoint)
     assert all(torch.equal(reloaded.memory_state_dict()[n], w) for n, w in memory.items())
@@ -339,7 +339,7 @@ def test_an_interrupted_checkpoint_is_never_resumed_from(tiny_qwen3_dir, rows, u
     trainer._save_rng_state = killed_during_step_2
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
-    assert sorted(os.listdir(tmp_path)) == [".titans_hf_train.lock", "checkpoint-1", "checkpoint-2"]
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-1", "checkpoint-2"]  # the lock went with the run
     assert not (tmp_path / "checkpoint-2" / "trainer_state.json").exists()
     with pytest.raises(ValueError, match="checkpoint-2.*trainer_state.json is missing"):
         make_trainer(tiny_qwen3_dir, tmp_path, rows).train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
@@ -352,7 +352,7 @@ def test_an_interrupted_checkpoint_is_never_resumed_from(tiny_qwen3_dir, rows, u
                for r in caplog.records)
     final = trainable_weights(resumed.model)
     assert all(torch.equal(final[n], w) for n, w in uninterrupted["None"].items())
-    assert sorted(os.listdir(tmp_path)) == [".titans_hf_train.lock", "checkpoint-5", "checkpoint-6"]
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-5", "checkpoint-6"]
 
 
 def test_save_model_writes_memory_only_and_atomically(tiny_qwen3_dir, rows, tmp_path, monkeypatch):

@@ -34,7 +34,7 @@ from transformers import (
     set_seed,
 )
 
-from titans_hf.evaluation import DISTANCE_PLOT_NAME, OUTPUT_NAMES, evaluate_babilong, load_model_for_eval
+from titans_hf.evaluation import DISTANCE_PLOT_NAME, evaluate_babilong, load_model_for_eval
 from titans_hf.local_models import build_qwen, build_tokenizer, mean_embedding_cosine, pretrain_causal_lm
 from titans_hf.tasks.babilong import (
     ACTORS,
@@ -56,7 +56,7 @@ from titans_hf.training.recipe import (
     ModelArguments,
     train_memory,
 )
-from titans_hf.utils import atomic_write, atomic_write_json, file_sha256, prepare_output_dir
+from titans_hf.utils import atomic_write, atomic_write_json, file_sha256, writing_folder
 
 logger = logging.getLogger(__name__)
 
@@ -299,15 +299,17 @@ def run_demo(
     threads: int | None = 1,
     max_steps: int = -1,
     staged_curriculum: bool = True,
+    overwrite: bool = False,
     show_progress: bool = True,
 ) -> dict[str, Any]:
     """Stage a (unless `model` names a base), then stage b; returns results, run info, paths and the trained model.
 
     Lengths are given in chunks of the input (the question comes after it); `train_chunks` 0 means bare stories.
     The first epoch trains on rows of one chunk (bare stories); with `staged_curriculum` each later epoch admits the
-    rows of the next trained length until all are in, else the second epoch admits them all at once. Evaluation rows come from
-    other generator seeds than training rows. `memory_settings` override `MEMORY_SETTINGS` (and the
-    TitansQwenConfig defaults: variant, memory_layers, ...).
+    rows of the next trained length until all are in, else the second epoch admits them all at once. Evaluation
+    rows come from other generator seeds than training rows. `memory_settings` override `MEMORY_SETTINGS` (and the
+    TitansQwenConfig defaults: variant, memory_layers, ...). Everything goes into `output_dir`, which must be absent,
+    empty, or (with `overwrite`) a folder an earlier demo wrote whole; a run that fails leaves what was there.
     """
     started = time.time()
     if threads is not None:
@@ -316,132 +318,137 @@ def run_demo(
         raise ValueError("run_demo: train_chunks and eval_chunks must each name at least one length")
     if min(train_chunks) < 0 or min(eval_chunks) < 1:
         raise ValueError(f"run_demo: train_chunks {train_chunks} must be >= 0 and eval_chunks {eval_chunks} >= 1")
-    # the evaluation's outputs are checked now, not after the training (an earlier run's are replaced, a user's not)
-    output = prepare_output_dir(output_dir, OUTPUT_NAMES)
-    base_dir, data_dir, memory_dir = output / BASE_DIR_NAME, output / DATA_DIR_NAME, output / MEMORY_DIR_NAME
-    set_seed(seed)
-    timings: dict[str, float] = {}
-    run_info: dict[str, Any] = {"task": task, "seed": seed, "chunk_size": chunk_size}
+    # written in place (the memory records its base's absolute path), checked before any work: an earlier demo's
+    # folder is replaced only with `overwrite`, a user's folder never; a failed run leaves the old folder
+    with writing_folder(output_dir, overwrite, "titans-hf demo") as output:
+        base_dir, data_dir, memory_dir = output / BASE_DIR_NAME, output / DATA_DIR_NAME, output / MEMORY_DIR_NAME
+        set_seed(seed)
+        timings: dict[str, float] = {}
+        run_info: dict[str, Any] = {"task": task, "seed": seed, "chunk_size": chunk_size}
 
-    # ---- stage a: the stand-in base ----
-    if model is None:
-        tokenizer = build_demo_tokenizer(base_dir, seed=seed)
-        # whatever stage b trains on
-        haystacks = (0, PRETRAIN_HAYSTACK_CHUNKS[task] * chunk_size)
-        run_info["pretraining"] = pretrain_base(base_dir, tokenizer, task=task, steps=pretrain_steps,
-                                                haystack_lengths=haystacks, entity_share=entity_share, seed=seed,
-                                                show_progress=show_progress)
-        base = str(base_dir)
-        timings["stage_a_s"] = time.time() - started
-        logger.info("stage a: stand-in base pretrained in %.0fs (%d steps), saved to %s", timings["stage_a_s"],
-                    run_info["pretraining"]["steps"], base_dir)
-    else:
-        base = model
-    tokenizer = AutoTokenizer.from_pretrained(base, trust_remote_code=False)
-    run_info["base"] = base
-    run_info["base_accuracy"] = base_accuracy(base, tokenizer, task, chunk_size, seed=900 + seed)
-    logger.info("base, full attention, on %d bare stories: %.1f%% exact match (chance %.1f%%)",
-                run_info["base_accuracy"]["rows"], 100 * run_info["base_accuracy"]["exact_match"],
-                100 * run_info["base_accuracy"]["chance"])
+        # ---- stage a: the stand-in base ----
+        if model is None:
+            tokenizer = build_demo_tokenizer(base_dir, seed=seed)
+            # whatever stage b trains on
+            haystacks = (0, PRETRAIN_HAYSTACK_CHUNKS[task] * chunk_size)
+            run_info["pretraining"] = pretrain_base(base_dir, tokenizer, task=task, steps=pretrain_steps,
+                                                    haystack_lengths=haystacks, entity_share=entity_share, seed=seed,
+                                                    show_progress=show_progress)
+            base = str(base_dir)
+            timings["stage_a_s"] = time.time() - started
+            logger.info("stage a: stand-in base pretrained in %.0fs (%d steps), saved to %s", timings["stage_a_s"],
+                        run_info["pretraining"]["steps"], base_dir)
+        else:
+            base = model
+        tokenizer = AutoTokenizer.from_pretrained(base, trust_remote_code=False)
+        run_info["base"] = base
+        run_info["base_accuracy"] = base_accuracy(base, tokenizer, task, chunk_size, seed=900 + seed)
+        logger.info("base, full attention, on %d bare stories: %.1f%% exact match (chance %.1f%%)",
+                    run_info["base_accuracy"]["rows"], 100 * run_info["base_accuracy"]["exact_match"],
+                    100 * run_info["base_accuracy"]["chance"])
 
-    # ---- stage b: the user's recipe ----
-    stage_b_started = time.time()
-    base_files = sorted(Path(base).glob("*.safetensors")) if Path(base).is_dir() else []
-    hashes_before = {file.name: file_sha256(file) for file in base_files}
-    train_lengths = [chunks * chunk_size for chunks in train_chunks]
-    eval_lengths = [chunks * chunk_size for chunks in eval_chunks]
-    train_rows = {length: generate_babilong(task, num_train_samples, length, tokenizer, seed=1000 * seed + 100 + index)
-                  for index, length in enumerate(train_lengths)}
-    data_files = write_training_files(data_dir, train_rows, task)
-    # curriculum: the shortest rows first (bare stories of one chunk), then every row, or with `staged_curriculum`
-    # one length more each epoch (1 chunk, then up to the rows of each trained length in turn)
-    chunks_by_length = {length: row_chunks(rows, tokenizer, chunk_size) for length, rows in train_rows.items()}
-    chunks = [count for counts in chunks_by_length.values() for count in counts]
-    stages = sorted({min(chunks), max(chunks)} | ({max(counts) for counts in chunks_by_length.values()}
-                                                  if staged_curriculum else set()))
-    settings = dict(MEMORY_SETTINGS, **(memory_settings or {}))
-    model_args = ModelArguments(model_name_or_path=base)
-    memory_args = MemoryArguments(chunk_size=chunk_size, **settings)
-    data_args = DataArguments(data_files=[str(path) for path in data_files], max_length=(max(stages) + 1) * chunk_size,
-                              answer_reserve_tokens=16, generation_seed=seed)
-    # the builder keeps `train_ratio` of the rows for training; the exact count is known once it has split them
-    planned_steps = max_steps if max_steps > 0 else epochs * math.ceil(data_args.train_ratio * len(chunks) / batch_size)
-    training_args = RecipeTrainingArguments(
-        output_dir=str(memory_dir),
-        per_device_train_batch_size=batch_size,
-        gradient_accumulation_steps=1,
-        learning_rate=learning_rate,
-        lr_scheduler_type="constant_with_warmup",
-        warmup_steps=30,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        num_train_epochs=epochs,
-        max_steps=max_steps,
-        curriculum_chunks=stages,
-        curriculum_epochs_per_stage=1,
-        log_every_batches=max(1, min(20, planned_steps // 25)),  # a loss curve even for a few steps
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        seed=seed,
-        dataloader_num_workers=0,
-        disable_tqdm=not show_progress,
-    )
-    trainer = train_memory(model_args, memory_args, data_args, training_args)
-    trained = trainer.model
-    timings["stage_b_train_s"] = time.time() - stage_b_started
-    trainable = sum(p.numel() for p in trained.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in trained.parameters())
-    run_info["trainable_parameters"] = {"memory": trainable, "total": total, "share": trainable / total}
-    if base_files:
-        run_info["base_unchanged"] = (base_weights_unchanged(trained, base)
-                                      and {f.name: file_sha256(f) for f in base_files} == hashes_before)
-    steps_per_epoch = math.ceil(len(trainer.train_dataset) / batch_size)
-    plot_loss_curve(trainer.state.log_history, output / LOSS_PLOT_NAME, steps_per_epoch, stages)
+        # ---- stage b: the user's recipe ----
+        stage_b_started = time.time()
+        base_files = sorted(Path(base).glob("*.safetensors")) if Path(base).is_dir() else []
+        hashes_before = {file.name: file_sha256(file) for file in base_files}
+        train_lengths = [chunks * chunk_size for chunks in train_chunks]
+        eval_lengths = [chunks * chunk_size for chunks in eval_chunks]
+        train_rows = {length: generate_babilong(task, num_train_samples, length, tokenizer,
+                                                seed=1000 * seed + 100 + index)
+                      for index, length in enumerate(train_lengths)}
+        data_files = write_training_files(data_dir, train_rows, task)
+        # curriculum: the shortest rows first (bare stories of one chunk), then every row, or with `staged_curriculum`
+        # one length more each epoch (1 chunk, then up to the rows of each trained length in turn)
+        chunks_by_length = {length: row_chunks(rows, tokenizer, chunk_size) for length, rows in train_rows.items()}
+        chunks = [count for counts in chunks_by_length.values() for count in counts]
+        stages = sorted({min(chunks), max(chunks)} | ({max(counts) for counts in chunks_by_length.values()}
+                                                      if staged_curriculum else set()))
+        settings = dict(MEMORY_SETTINGS, **(memory_settings or {}))
+        model_args = ModelArguments(model_name_or_path=base)
+        memory_args = MemoryArguments(chunk_size=chunk_size, **settings)
+        data_args = DataArguments(data_files=[str(path) for path in data_files],
+                                  max_length=(max(stages) + 1) * chunk_size, answer_reserve_tokens=16,
+                                  generation_seed=seed)
+        # the builder keeps `train_ratio` of the rows for training; the exact count is known once it has split them
+        planned_steps = (max_steps if max_steps > 0
+                         else epochs * math.ceil(data_args.train_ratio * len(chunks) / batch_size))
+        training_args = RecipeTrainingArguments(
+            output_dir=str(memory_dir),
+            per_device_train_batch_size=batch_size,
+            gradient_accumulation_steps=1,
+            learning_rate=learning_rate,
+            lr_scheduler_type="constant_with_warmup",
+            warmup_steps=30,
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            num_train_epochs=epochs,
+            max_steps=max_steps,
+            curriculum_chunks=stages,
+            curriculum_epochs_per_stage=1,
+            log_every_batches=max(1, min(20, planned_steps // 25)),  # a loss curve even for a few steps
+            save_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            seed=seed,
+            dataloader_num_workers=0,
+            disable_tqdm=not show_progress,
+        )
+        trainer = train_memory(model_args, memory_args, data_args, training_args)
+        trained = trainer.model
+        timings["stage_b_train_s"] = time.time() - stage_b_started
+        trainable = sum(p.numel() for p in trained.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in trained.parameters())
+        run_info["trainable_parameters"] = {"memory": trainable, "total": total, "share": trainable / total}
+        if base_files:
+            run_info["base_unchanged"] = (base_weights_unchanged(trained, base)
+                                          and {f.name: file_sha256(f) for f in base_files} == hashes_before)
+        steps_per_epoch = math.ceil(len(trainer.train_dataset) / batch_size)
+        plot_loss_curve(trainer.state.log_history, output / LOSS_PLOT_NAME, steps_per_epoch, stages)
 
-    # evaluate what was saved: the folder a user pushes is the one measured
-    eval_started = time.time()
-    reloaded, _ = load_model_for_eval(memory_dir, tokenizer=base)
-    eval_rows = {length: generate_babilong(task, num_eval_samples, length, tokenizer, seed=1000 * seed + 500 + index)
-                 for index, length in enumerate(eval_lengths)}
-    results = evaluate_babilong(reloaded, tokenizer, {(task, length): eval_rows[length] for length in eval_lengths},
-                                max_new_tokens=3, batch_size=64, output_dir=output, show_progress=show_progress,
-                                trained_length=max(train_lengths))
-    timings["eval_s"] = time.time() - eval_started
-    timings["total_s"] = time.time() - started
-    run_info.update({
-        "memory_settings": trained.config.memory_config.memory_settings(),
-        "train_lengths": train_lengths,
-        "eval_lengths": eval_lengths,
-        "num_train_rows": len(trainer.train_dataset),
-        "curriculum_chunks": stages,
-        "training_loss": [[entry["step"], entry["loss"]] for entry in trainer.state.log_history
-                          if "loss" in entry and "step" in entry],
-        "steps": trainer.state.global_step,
-        "epochs": epochs,
-        "batch_size": batch_size,
-        "learning_rate": learning_rate,
-        "threads": torch.get_num_threads(),
-        "timings": {key: round(value, 1) for key, value in timings.items()},
-    })
-    atomic_write_json(output / RUN_INFO_NAME, run_info)
-    return {
-        "results": results,
-        "run_info": run_info,
-        "model": trained,
-        "tokenizer": tokenizer,
-        "paths": {
-            "results": output / "results.json",
-            "heatmap": output / "heatmap.png",
-            "distance_plot": output / DISTANCE_PLOT_NAME,
-            "predictions": output / "predictions.jsonl",
-            "loss_curve": output / LOSS_PLOT_NAME,
-            "run_info": output / RUN_INFO_NAME,
-            "base": base_dir if model is None else None,
-            "data": data_files,
-            "memory": memory_dir,
-        },
-    }
+        # evaluate what was saved: the folder a user pushes is the one measured
+        eval_started = time.time()
+        reloaded, _ = load_model_for_eval(memory_dir, tokenizer=base)
+        eval_rows = {length: generate_babilong(task, num_eval_samples, length, tokenizer,
+                                               seed=1000 * seed + 500 + index)
+                     for index, length in enumerate(eval_lengths)}
+        results = evaluate_babilong(reloaded, tokenizer, {(task, length): eval_rows[length] for length in eval_lengths},
+                                    max_new_tokens=3, batch_size=64, output_dir=output, show_progress=show_progress,
+                                    trained_length=max(train_lengths))
+        timings["eval_s"] = time.time() - eval_started
+        timings["total_s"] = time.time() - started
+        run_info.update({
+            "memory_settings": trained.config.memory_config.memory_settings(),
+            "train_lengths": train_lengths,
+            "eval_lengths": eval_lengths,
+            "num_train_rows": len(trainer.train_dataset),
+            "curriculum_chunks": stages,
+            "training_loss": [[entry["step"], entry["loss"]] for entry in trainer.state.log_history
+                              if "loss" in entry and "step" in entry],
+            "steps": trainer.state.global_step,
+            "epochs": epochs,
+            "batch_size": batch_size,
+            "learning_rate": learning_rate,
+            "threads": torch.get_num_threads(),
+            "timings": {key: round(value, 1) for key, value in timings.items()},
+        })
+        atomic_write_json(output / RUN_INFO_NAME, run_info)
+        return {
+            "results": results,
+            "run_info": run_info,
+            "model": trained,
+            "tokenizer": tokenizer,
+            "paths": {
+                "results": output / "results.json",
+                "heatmap": output / "heatmap.png",
+                "distance_plot": output / DISTANCE_PLOT_NAME,
+                "predictions": output / "predictions.jsonl",
+                "loss_curve": output / LOSS_PLOT_NAME,
+                "run_info": output / RUN_INFO_NAME,
+                "base": base_dir if model is None else None,
+                "data": data_files,
+                "memory": memory_dir,
+            },
+        }
 
 
 # The floors of the length goal: accuracy with the memory needed up to each chunk count (the last one beyond it)

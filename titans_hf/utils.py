@@ -12,6 +12,7 @@ Token stores are recognised by their exact layout instead (`titans_hf.data.store
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -21,11 +22,17 @@ import shutil
 import tempfile
 import uuid
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 MANIFEST_NAME = ".titans_hf_outputs.json"
+# The most characters one text (a BABILong row's field, a .jsonl line, a stretch of text without a safe cut) may
+# hold, about 4M tokens: tokenizing takes about 130 bytes of memory per character (measured: 7.9 GB for 60M
+# characters with a byte-level BPE), so a tiny compressed file holding one huge text could otherwise exhaust the
+# machine (seen: exit 134). The environment variable raises or lowers it.
+MAX_TEXT_CHARACTERS_VARIABLE = "TITANS_HF_MAX_TEXT_CHARACTERS"
+DEFAULT_MAX_TEXT_CHARACTERS = 1 << 24
 
 
 def umask() -> int:
@@ -55,6 +62,20 @@ def disk_full_message(error: OSError, what: str) -> str | None:
         return f"{what}: the disk is full (or over quota) ({error.strerror}); nothing was left behind, free space " \
                "and run again"
     return None
+
+
+def max_text_characters() -> int:
+    """The most characters one text may hold: $TITANS_HF_MAX_TEXT_CHARACTERS, else 2^24 (16,777,216)."""
+    value = os.environ.get(MAX_TEXT_CHARACTERS_VARIABLE)
+    if value is None:
+        return DEFAULT_MAX_TEXT_CHARACTERS
+    try:
+        limit = int(value)
+    except ValueError:
+        limit = 0
+    if limit < 1:
+        raise ValueError(f"${MAX_TEXT_CHARACTERS_VARIABLE}={value!r}: must be a positive whole number of characters")
+    return limit
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], Any]) -> Path:
@@ -168,7 +189,7 @@ def record_folder(folder: str | os.PathLike, command: str) -> None:
         **{name: {"command": command, "sha256": file_sha256(folder / name)} for name in names}})
 
 
-def _unrecorded(path: Path) -> str | None:
+def unrecorded_reason(path: Path) -> str | None:
     """Why the file `path` is not one this tool wrote (None when its folder's manifest vouches for its bytes)."""
     entry = read_manifest(path.parent).get(path.name)
     if path.is_symlink() or not path.is_file():
@@ -206,6 +227,15 @@ def replaceable_folder_problem(folder: str | os.PathLike) -> str | None:
     return None
 
 
+def _check_can_create(path: Path) -> None:
+    """Refuse an output whose nearest existing folder above it is a file or cannot be written."""
+    existing = next(folder for folder in path.parents if folder.exists())
+    if not existing.is_dir():
+        raise NotADirectoryError(f"output {path}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(f"output {path}: folder {existing} is not writable")
+
+
 def check_outputs(paths: list[Path], overwrite: bool) -> None:
     """Refuse, before any work, output files that exist (unless `overwrite`, and then only files this tool wrote,
     per their folder's manifest), that are folders, or whose folder cannot be made or written."""
@@ -215,24 +245,18 @@ def check_outputs(paths: list[Path], overwrite: bool) -> None:
         if path.exists() or path.is_symlink():
             if not overwrite:
                 raise FileExistsError(f"output {path} exists; pass --overwrite to replace it")
-            problem = _unrecorded(path)
+            problem = unrecorded_reason(path)
             if problem is not None:
                 raise FileExistsError(f"output {path}: will not replace it, even with --overwrite: {problem}; remove "
                                       "it yourself or choose another output")
-        existing = next(folder for folder in (path.parent, *path.parent.parents) if folder.exists())
-        if not existing.is_dir():
-            raise NotADirectoryError(f"output {path}: {existing} is a file, not a folder")
-        if not os.access(existing, os.W_OK | os.X_OK):
-            raise PermissionError(f"output {path}: folder {existing} is not writable")
+        _check_can_create(path)
 
 
 def check_folder_output(folder: Path, overwrite: bool) -> None:
     """Refuse, before any work, an existing output folder without `overwrite`, and with it any folder this tool
     did not write whole (`replaceable_folder_problem`): a user's folder is never replaced."""
     if not (folder.exists() or folder.is_symlink()):
-        parent = next(path for path in folder.parents if path.exists())
-        if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-            raise PermissionError(f"output {folder}: {parent} is not a writable folder")
+        _check_can_create(folder)
         return
     if not overwrite:
         raise FileExistsError(f"output {folder} exists; pass --overwrite to replace it")
@@ -240,6 +264,39 @@ def check_folder_output(folder: Path, overwrite: bool) -> None:
     if problem is not None:
         raise FileExistsError(f"output {folder}: will not replace it, even with --overwrite: {problem}; remove it "
                               "yourself or choose another output")
+
+
+@contextlib.contextmanager
+def writing_folder(folder: str | os.PathLike, overwrite: bool, command: str) -> Iterator[Path]:
+    """The folder `command` writes whole, written in place (for outputs that record their own absolute paths, which
+    a rename from a temporary name would break).
+
+    An absent or empty folder is used as it is. An existing one needs `overwrite` and must be one this tool wrote
+    whole (`check_folder_output`); it is set aside under a hidden name until the new one is complete. When the block
+    ends the folder is recorded whole (`record_folder`) and the old one deleted; when it raises, what it wrote is
+    deleted and the old folder put back: the command leaves all of its outputs or none.
+    """
+    folder = Path(folder)
+    was_empty = folder.is_dir() and not folder.is_symlink() and not any(folder.iterdir())
+    aside = None
+    if not was_empty:
+        check_folder_output(folder, overwrite)
+        if folder.exists():
+            aside = folder.with_name(f".{folder.name}.replaced-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            os.replace(folder, aside)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        yield folder
+        record_folder(folder, command)
+    except BaseException:
+        remove_path(folder)
+        if aside is not None:
+            os.replace(aside, folder)
+        elif was_empty:
+            folder.mkdir()
+        raise
+    if aside is not None:
+        remove_path(aside)
 
 
 def remove_path(path: Path) -> None:

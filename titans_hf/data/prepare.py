@@ -51,7 +51,13 @@ from titans_hf.data.stores import (
     tokenizer_fingerprint,
 )
 from titans_hf.data.windows import TRAIN_TYPE_KEYS
-from titans_hf.utils import check_tokenizer_argument, disk_full_message, replace_outputs
+from titans_hf.utils import (
+    MAX_TEXT_CHARACTERS_VARIABLE,
+    check_tokenizer_argument,
+    disk_full_message,
+    max_text_characters,
+    replace_outputs,
+)
 
 RECORD_FIELDS: dict[str, tuple[str, ...]] = {
     "seq": ("text",),
@@ -75,11 +81,6 @@ PIECE_CHARS = 1 << 16
 _SAFE_CUT = re.compile(r"\n(?=[^\W_])")
 _CUT_PROBES = (("Hello world.\n", "The end"), ("a\n\n", "b c"), ("x \n", "9 y"), ("one\r\n", "Two"), ("é\n", "ü"))
 _READ_CHARS = 1 << 20
-# The most characters one tokenizer call gets, and the longest `.jsonl` line read: tokenizing a text takes about
-# 130 bytes of memory per character (measured: 7.9 GB for 60M characters with a byte-level BPE), so a tiny
-# compressed file holding one huge line could otherwise exhaust the machine. Longer documents go in `.txt` files
-# (or have line breaks), which are read in blocks and cut at safe points.
-MAX_TEXT_CHARS = 1 << 24
 # Stands for a special token's text written in a chat message, while the template renders (private-use code points).
 _LITERAL = re.compile("\ue000(\\d+)\ue001")
 # A batch also ends at this many characters, which bounds the memory of one tokenizer call.
@@ -95,7 +96,9 @@ def _cuts_are_exact(tokenizer) -> bool:
 
 def _pieces(text_blocks: Iterable[str], cut: bool, where: str = "input") -> Iterator[str]:
     """Regroup a document's text into pieces of about PIECE_CHARS, cut only at safe points; a stretch of more than
-    MAX_TEXT_CHARS without one is refused, naming `where`."""
+    `max_text_characters()` without one is refused, naming `where` (longer documents go in `.txt` files or have line
+    breaks: they are read in blocks and cut at safe points)."""
+    limit = max_text_characters()
     buffer = ""
     for block in text_blocks:
         buffer += block
@@ -105,9 +108,10 @@ def _pieces(text_blocks: Iterable[str], cut: bool, where: str = "input") -> Iter
                 break
             yield buffer[: match.end()]
             buffer = buffer[match.end() :]
-        if len(buffer) > MAX_TEXT_CHARS:
-            raise ValueError(f"{where}: more than {MAX_TEXT_CHARS} characters without a line break where the text can "
-                             "be cut; tokenizing it whole would take gigabytes of memory: break the text into lines")
+        if len(buffer) > limit:
+            raise ValueError(f"{where}: more than {limit} characters without a line break where the text can be cut; "
+                             "tokenizing it whole would take gigabytes of memory: break the text into lines (or set "
+                             f"${MAX_TEXT_CHARACTERS_VARIABLE})")
     if buffer:
         yield buffer
 
@@ -242,11 +246,13 @@ def _check_input_files(paths: list[Path], train_type: str) -> None:
 def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
     try:
         with open(path, encoding="utf-8") as handle:
-            for line_number, line in enumerate(iter(lambda: handle.readline(MAX_TEXT_CHARS + 1), ""), start=1):
-                if len(line) > MAX_TEXT_CHARS and not line.endswith("\n"):
-                    raise ValueError(f"{path}:{line_number}: the line is longer than {MAX_TEXT_CHARS} characters, "
-                                     "more than one record should hold (tokenizing it would take gigabytes of "
-                                     "memory); put a long document in a .txt file, which is read in blocks")
+            limit = max_text_characters()
+            for line_number, line in enumerate(iter(lambda: handle.readline(limit + 1), ""), start=1):
+                if len(line) > limit and not line.endswith("\n"):
+                    raise ValueError(f"{path}:{line_number}: the line is longer than {limit} characters, more than "
+                                     "one record should hold (tokenizing it would take gigabytes of memory); put a "
+                                     f"long document in a .txt file, which is read in blocks (or set "
+                                     f"${MAX_TEXT_CHARACTERS_VARIABLE})")
                 if not line.strip():
                     continue
                 try:

@@ -19,6 +19,7 @@ import math
 import os
 import pickle
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +44,20 @@ from titans_hf.data.sampler import ChunkCurriculumSampler, ResumableSampler, cou
 from titans_hf.hub import (
     MEMORY_CONFIG_NAME,
     MEMORY_WEIGHTS_NAME,
+    MODEL_CONFIG_NAME,
     TRAINABLE_BASE_WEIGHTS_NAME,
     load_memory_weights,
     push_memory_folder,
     read_memory_config,
     save_memory_folder,
 )
-from titans_hf.utils import atomic_write_json, disk_full_message, resolve_pad_token_id
+from titans_hf.utils import (
+    atomic_write_json,
+    disk_full_message,
+    record_outputs,
+    resolve_pad_token_id,
+    unrecorded_reason,
+)
 
 from .training_args import TitansTrainingArguments
 
@@ -241,50 +249,85 @@ class TitansTrainer(Trainer):
             self._check_resume(Path(resume_from_checkpoint))
             self._warn_about_changed_arguments(Path(resume_from_checkpoint))
         lock = self._lock_output_dir()
-        if not resume_from_checkpoint and self.args.save_strategy != "no":
-            self._refuse_earlier_checkpoints(lock)
         try:
+            if not resume_from_checkpoint and self.args.save_strategy != "no":
+                self._refuse_earlier_checkpoints()
+            self._check_final_save_outputs(fresh=not resume_from_checkpoint)
             return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
             if lock is not None:
-                lock.close()  # closing the file releases the lock
+                _release_lock(lock)
 
     def _lock_output_dir(self) -> Any:
-        """Hold `output_dir/.titans_hf_train.lock` (an flock, released when this process ends however it ends)
-        for the whole run: a second run into the same output_dir is refused, naming the lock and its holder,
-        instead of both overwriting each other's checkpoints. None on processes that do not save."""
+        """Hold `output_dir/.titans_hf_train.lock` (an flock, released when this process ends however it ends,
+        and the file removed when the run ends) for the whole run: a second run into the same output_dir is refused,
+        naming the lock and its holder, instead of both overwriting each other's checkpoints. None on processes that
+        do not save."""
         if not self.is_world_process_zero():
             return None
         folder = Path(self.args.output_dir)
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / LOCK_NAME
-        handle = open(path, "a+", encoding="utf-8")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            handle.close()
-            raise RuntimeError(f"{path}: held by {holder}: another run is training into output_dir {folder}; two "
-                               "runs there would overwrite each other's checkpoints (give this one another "
-                               "output_dir)") from None
+        while True:
+            handle = open(path, "a+", encoding="utf-8")
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                handle.seek(0)
+                holder = handle.read().strip() or "another process"
+                handle.close()
+                raise RuntimeError(f"{path}: held by {holder}: another run is training into output_dir {folder}; two "
+                                   "runs there would overwrite each other's checkpoints (give this one another "
+                                   "output_dir)") from None
+            try:
+                if os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            handle.close()  # the run that held it removed it as we opened it: take the new one
         handle.seek(0)
         handle.truncate()
         handle.write(f"process {os.getpid()}\n")
         handle.flush()
         return handle
 
-    def _refuse_earlier_checkpoints(self, lock: Any) -> None:
+    def _refuse_earlier_checkpoints(self) -> None:
         """A fresh run would replace the checkpoint-N folders of an earlier run in output_dir as it reaches each
-        step: refuse it, naming them, unless it resumes (every rank checks; the lock is released on refusal)."""
+        step: refuse it, naming them, unless it resumes (every rank checks)."""
         earlier = sorted(path.name for path in Path(self.args.output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*")
                          if path.is_dir())
         if earlier:
-            if lock is not None:
-                lock.close()
             raise ValueError(f"output_dir {self.args.output_dir} holds checkpoints of an earlier run ({', '.join(earlier[:3])}"
                              f"{', ...' if len(earlier) > 3 else ''}), which this fresh run would replace: resume it "
                              "(resume_from_checkpoint, --resume_from_checkpoint last) or choose another output_dir")
+
+    def _final_save_names(self) -> list[str]:
+        """The names of the files the final save writes into output_dir: the memory folder's, the training
+        arguments' and the tokenizer's (learnt by saving it into a scratch folder)."""
+        names = [TRAINING_ARGS_JSON_NAME, MEMORY_CONFIG_NAME, MODEL_CONFIG_NAME, MEMORY_WEIGHTS_NAME,
+                 TRAINABLE_BASE_WEIGHTS_NAME]
+        if self.processing_class is not None:
+            with tempfile.TemporaryDirectory() as scratch:
+                self.processing_class.save_pretrained(scratch)
+                names += sorted(os.listdir(scratch))
+        return list(dict.fromkeys(names))
+
+    def _check_final_save_outputs(self, fresh: bool) -> None:
+        """Refuse, before training, a final save that would replace a file in output_dir that titans_hf did not
+        write there (a user's `tokenizer.json`, say), or, for a fresh run without `overwrite_output_dir`, the memory
+        an earlier run saved there (every rank checks)."""
+        folder = Path(self.args.output_dir)
+        for path in (folder / name for name in self._final_save_names()):
+            if not (path.exists() or path.is_symlink()):
+                continue
+            problem = unrecorded_reason(path)
+            if problem is not None:
+                raise FileExistsError(f"output_dir {folder}: the memory saved at the end of training would replace "
+                                      f"{path}, and {problem}: move it, or choose another output_dir")
+            if fresh and path.name == MEMORY_WEIGHTS_NAME and not self.args.overwrite_output_dir:
+                raise FileExistsError(f"output_dir {folder} holds the memory an earlier run saved ({path}), which "
+                                      "this fresh run would replace: pass overwrite_output_dir "
+                                      "(--overwrite_output_dir) or choose another output_dir")
 
     def _check_resume(self, checkpoint: Path) -> None:
         """Refuse a resume that would silently be another run, naming the file or setting: a missing optimizer
@@ -387,6 +430,10 @@ class TitansTrainer(Trainer):
                           {**json.loads(self.args.to_json_string()), "world_size": self.args.world_size})
         model_config = model.memory_folder_config() if hasattr(model, "memory_folder_config") else None
         save_memory_folder(output_dir, getattr(model.config, "memory_config", None), memory, base, model_config)
+        if Path(output_dir).resolve() == Path(self.args.output_dir).resolve():  # the final save, not a checkpoint
+            folder = Path(output_dir)
+            record_outputs(folder, [name for name in self._final_save_names() if (folder / name).is_file()],
+                           "titans-hf train")
 
     def _save_checkpoint(self, model: nn.Module, trial) -> None:
         """The Trainer's checkpoint plus the sampler's state, into a fresh folder: what a save that was cut short
@@ -489,6 +536,16 @@ class TitansTrainer(Trainer):
         except (RuntimeError, OSError, EOFError, pickle.UnpicklingError, KeyError, TypeError, ValueError) as error:
             names = (f"rng_state_{self.args.process_index}.pth" if self.args.world_size > 1 else "rng_state.pth",)
             raise ValueError(f"{_unreadable(checkpoint, names)}: not a random number generator state ({error})") from error
+
+
+def _release_lock(handle: Any) -> None:
+    """Remove the run's lock file while still holding it, then release it (`_lock_output_dir` checks that the file
+    it locked is still the one at the path, so a run starting meanwhile cannot hold a removed one)."""
+    try:
+        os.unlink(handle.name)
+    except FileNotFoundError:
+        pass
+    handle.close()
 
 
 def _unreadable(checkpoint: str, names: tuple[str, ...]) -> str:

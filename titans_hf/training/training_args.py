@@ -25,6 +25,9 @@ class TitansTrainingArguments(TrainingArguments):
             of at most `curriculum_chunks[s]` chunks, the last stage stays. None: no curriculum.
         curriculum_epochs_per_stage: epochs spent in each curriculum stage before the next one.
         hub_dataset_ids: Hub ids of the datasets trained on, written into the model card of a push.
+        overwrite_output_dir: let a fresh run replace the memory folder an earlier run saved in `output_dir` (only
+            the files titans_hf wrote there and recorded in its `.titans_hf_outputs.json`; a user's own files of the
+            same names are never replaced).
         hub_base_model: the base's Hub id for pushes, when the base was loaded from a local folder (a local path
             never goes into a pushed card or config).
     """
@@ -54,6 +57,11 @@ class TitansTrainingArguments(TrainingArguments):
     )
     hub_dataset_ids: list[str] | None = field(
         default=None, metadata={"help": "Hub ids of the datasets trained on, for the model card of a push."}
+    )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Let a fresh run replace the memory an earlier run saved in output_dir (only the files "
+                          "titans_hf recorded writing there; a user's own files are never replaced)."},
     )
     hub_base_model: str | None = field(
         default=None, metadata={"help": "The base's Hub id for pushes, when it was loaded from a local folder."}

@@ -21,13 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from titans_hf.utils import atomic_write_text
+from titans_hf.utils import MAX_TEXT_CHARACTERS_VARIABLE, atomic_write_text, max_text_characters
 
 REQUIRED_FIELDS = ("input", "question", "target")
-# The most characters a row's field may hold: a BABILong row of ~4M tokens. Tokenizing text takes about 130 bytes
-# per character (measured: 7.9 GB for 60M characters), so a few kB of compressed parquet declaring one huge row
-# would otherwise exhaust the machine (seen: exit 134). Checked from the parquet metadata before any row is read.
-MAX_ROW_CHARACTERS = 1 << 24
 ROW_SUFFIXES = (".json", ".jsonl", ".parquet")
 
 _LENGTH_LABEL = re.compile(r"(\d+)([kKM]?)")
@@ -268,12 +264,13 @@ def _parquet_column(table, name: str, path: Path) -> list[str]:
 
 
 def _check_parquet_sizes(metadata, path: Path) -> None:
-    """Refuse, from the file's metadata alone, a parquet file whose rows would be larger than MAX_ROW_CHARACTERS
+    """Refuse, from the file's metadata alone, a parquet file whose rows would be larger than `max_text_characters()`
     once decompressed (a row group's uncompressed bytes over its rows bound a row's size from below), or that holds
     no rows; nothing is decompressed before this."""
     if metadata.num_rows == 0:
         raise ValueError(f"BABILong file {path} holds no rows (a parquet file of 0 rows)")
     names = metadata.schema.names
+    limit = max_text_characters()
     for group_index in range(metadata.num_row_groups):
         group = metadata.row_group(group_index)
         for column_index in range(group.num_columns):
@@ -282,22 +279,24 @@ def _check_parquet_sizes(metadata, path: Path) -> None:
             if name not in REQUIRED_FIELDS and names[column_index] not in REQUIRED_FIELDS:
                 continue
             per_row = column.total_uncompressed_size / max(group.num_rows, 1)
-            if per_row > MAX_ROW_CHARACTERS:
+            if per_row > limit:
                 raise ValueError(f"BABILong file {path}: column {name!r} of row group {group_index} holds "
                                  f"{column.total_uncompressed_size} bytes uncompressed for {group.num_rows} row(s), "
-                                 f"over {MAX_ROW_CHARACTERS} characters a row: rows that long are not read (tokenizing "
-                                 "them would take gigabytes of memory)")
+                                 f"over {limit} characters a row: rows that long are not read (tokenizing them would "
+                                 f"take gigabytes of memory; ${MAX_TEXT_CHARACTERS_VARIABLE} sets the limit)")
 
 
 def _check_row_sizes(rows: Sequence[dict[str, str]], path: Path) -> None:
-    """Refuse a row whose field is longer than MAX_ROW_CHARACTERS, naming the file and row (after reading, before
-    any tokenization)."""
+    """Refuse a row whose field is longer than `max_text_characters()`, naming the file and row (after reading,
+    before any tokenization)."""
+    limit = max_text_characters()
     for index, row in enumerate(rows):
         for field in REQUIRED_FIELDS:
-            if len(row[field]) > MAX_ROW_CHARACTERS:
+            if len(row[field]) > limit:
                 raise ValueError(f"BABILong file {path}, row {index} (0-based): field {field!r} holds "
-                                 f"{len(row[field])} characters, over {MAX_ROW_CHARACTERS}: rows that long are not "
-                                 "read (tokenizing them would take gigabytes of memory)")
+                                 f"{len(row[field])} characters, over {limit}: rows that long are not read "
+                                 f"(tokenizing them would take gigabytes of memory; ${MAX_TEXT_CHARACTERS_VARIABLE} "
+                                 "sets the limit)")
 
 
 def read_babilong_parquet(path: str | Path) -> list[dict[str, str]]:
