@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from titans_hf.evaluation import _prompt_ids, evaluate_babilong  # noqa: E402
+from titans_hf.evaluation import prompt_ids, evaluate_babilong  # noqa: E402
 from titans_hf.local_models import build_qwen, build_tokenizer  # noqa: E402
 from titans_hf.modeling import TitansQwenForCausalLM  # noqa: E402
 from titans_hf.tasks.babilong import ACTORS, LOCATIONS, MOVE_VERBS, generate_babilong  # noqa: E402
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> dict:
         model, tokenizer = build_model(Path(scratch), args)
         data = {("qa1", length): generate_babilong("qa1", args.rows, length, tokenizer, seed=args.seed + 1)
                 for length in args.lengths}
-    prompt_lengths = [len(_prompt_ids(row, tokenizer)) for rows in data.values() for row in rows]
+    prompt_lengths = [len(prompt_ids(row, tokenizer)) for rows in data.values() for row in rows]
     num_answers = len(prompt_lengths)
     table, reference = [], None
     for name, settings in MODES.items():

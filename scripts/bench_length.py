@@ -68,19 +68,19 @@ def run_eval(args: argparse.Namespace, chunks: int) -> dict:
 def run_stream(args: argparse.Namespace, tokens: int) -> dict:
     import torch
 
-    from titans_hf.evaluation import _generation_config, _prompt_ids, load_model_for_eval
+    from titans_hf.evaluation import greedy_generation_config, prompt_ids, load_model_for_eval
     from titans_hf.tasks.babilong import generate_babilong
 
     model, tokenizer = load_model_for_eval(args.model, args.memory)
     model.eval()
     row = generate_babilong("qa1", 1, tokens, tokenizer, seed=args.seed)[0]
-    prompt, target = torch.tensor([_prompt_ids(row, tokenizer)]), row["target"]
+    prompt, target = torch.tensor([prompt_ids(row, tokenizer)]), row["target"]
     del row
     before = resident_memory_mb()  # the model, the prompt and what building the row left behind
     started = time.perf_counter()
     with torch.no_grad():
         output = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
-                                generation_config=_generation_config(model, tokenizer, 3))
+                                generation_config=greedy_generation_config(model, tokenizer, 3))
     seconds = time.perf_counter() - started
     answer = tokenizer.decode(output[0, prompt.shape[1]:], skip_special_tokens=True)
     return {

@@ -16,6 +16,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from titans_hf.local_models import build_qwen, build_tokenizer  # noqa: E402
 
@@ -36,6 +37,16 @@ def tokenizer_corpus() -> list[str]:
     facts = [f"{a} {v} the {loc}." for a in ACTORS for v in VERBS for loc in LOCATIONS]
     questions = [f"Question: Where is {a}? Answer: {loc}" for a in ACTORS for loc in LOCATIONS]
     return (facts + questions + PROSE) * 20
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Torch at one intra-op thread for a module: tiny matmuls gain nothing from two, and lose badly when other jobs
+    share the cores."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="session")

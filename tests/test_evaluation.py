@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from titans_hf.commands import main as cli_main
 from titans_hf.tasks.babilong import TASK_LABELS, generate_babilong, supporting_fact_spans, write_babilong_json
 from titans_hf.evaluation import (
-    _prompt_ids,
+    prompt_ids,
     distance_bucket,
     babilong_files_by_task_length,
     evaluate_babilong,
@@ -28,13 +28,7 @@ LOCATIONS = TASK_LABELS["qa1"]
 MEMORY_SETTINGS = dict(chunk_size=64, memory_head_dim=16, memory_chunk_size=8)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matmuls: two intra-op threads only add synchronisation, badly so when other jobs share the cores.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _story(*facts: str) -> str:
@@ -169,7 +163,7 @@ def test_evaluation_without_memory_answers_as_the_base_model(tiny_qwen3_dir, tmp
     greedy = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=tokenizer.eos_token_id,
                               pad_token_id=tokenizer.pad_token_id)
     for line, row in zip(lines, rows):
-        ids = torch.tensor([_prompt_ids(row, tokenizer)])
+        ids = torch.tensor([prompt_ids(row, tokenizer)])
         assert tokenizer.decode(ids[0]).endswith(f"Question: {row['question']}\nAnswer:")
         out = base.generate(ids, attention_mask=torch.ones_like(ids), generation_config=greedy)
         assert line["no_memory"] == tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
@@ -266,7 +260,7 @@ def test_accuracy_by_distance_counts_chunks_from_the_supporting_fact(tiny_qwen3_
     for row, line in zip(rows, lines):
         start = row["input"].index(row["question"].split()[2].rstrip("?"))  # the actor of the fact: its first token
         before = len(tokenizer(row["input"][: start - 1])["input_ids"]) if start else 0  # " Mary" holds the space
-        prompt = _prompt_ids(row, tokenizer)
+        prompt = prompt_ids(row, tokenizer)
         assert (line["fact_chunk"], line["question_chunk"]) == (before // chunk, (len(prompt) - 1) // chunk)
         assert line["distance_chunks"] == line["question_chunk"] - line["fact_chunk"]
         expected_distances.append(line["distance_chunks"])
@@ -297,7 +291,7 @@ def test_batched_answers_equal_one_row_at_a_time(tiny_qwen3_dir, tmp_path):
                                      ("Daniel", "bedroom", "bathroom"), ("Mary", "garden", "office"),
                                      ("Sandra", "hallway", "kitchen")]
     ] + generate_babilong("qa1", 3, 72, tokenizer, seed=4)  # and some of other lengths
-    lengths = Counter(len(_prompt_ids(row, tokenizer)) for row in rows)
+    lengths = Counter(len(prompt_ids(row, tokenizer)) for row in rows)
     assert max(lengths.values()) == 5 and max(lengths) > MEMORY_SETTINGS["chunk_size"]
     data = {("qa1", 72): rows}
     one = evaluate_babilong(model, tokenizer, data, max_new_tokens=3, batch_size=1, output_dir=tmp_path / "one",
@@ -380,7 +374,7 @@ def test_mixed_length_batches_answer_as_each_row_alone(tiny_qwen3_dir, tmp_path)
     model = _memory_model(tiny_qwen3_dir, seed=3, chunk_size=8, memory_chunk_size=4)
     assert model.padding_multiple == 8
     rows = generate_babilong("qa1", 16, 0, tokenizer, seed=8)  # bare stories: 2 to 10 facts, prompts of many lengths
-    lengths = [len(_prompt_ids(row, tokenizer)) for row in rows]
+    lengths = [len(prompt_ids(row, tokenizer)) for row in rows]
     assert min(lengths) > 2 * 8 and len(set(lengths)) > 6
     calls = []
     generate = model.generate

@@ -13,12 +13,7 @@ from titans_hf.memory_diagnostics import diagnose_memory, plot_diagnostics
 from titans_hf.modeling import TitansQwenForCausalLM
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_a_fact_fades_by_the_forget_gate_and_the_gates_read_as_set(tiny_qwen3_dir, tmp_path):

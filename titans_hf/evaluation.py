@@ -134,7 +134,7 @@ def _warn_about_length(task: str, length: int | str, prompts: Sequence[list[int]
                       "the length label does not describe these rows", stacklevel=3)
 
 
-def _prompt_ids(row: Mapping[str, str], tokenizer) -> list[int]:
+def prompt_ids(row: Mapping[str, str], tokenizer) -> list[int]:
     """The prompt exactly as training assembles it (same template, same special tokens), untruncated."""
     example = build_example(dict(row), tokenizer, _UNBOUNDED_LENGTH, answer_reserve_tokens=1, pad_to_max_length=False)
     return example["input_ids"][: example["prompt_length"]]
@@ -206,7 +206,7 @@ def _padding_multiple(model, mixed_length_batches: bool | None) -> int | None:
 # Generation
 
 
-def _generation_config(model, tokenizer, max_new_tokens: int) -> GenerationConfig:
+def greedy_generation_config(model, tokenizer, max_new_tokens: int) -> GenerationConfig:
     """Greedy decoding whatever the model's own generation config samples with; the model's EOS ids are kept
     (instruct models stop on <|im_end|>, not only on the tokenizer's EOS)."""
     eos = getattr(model.generation_config, "eos_token_id", None)
@@ -407,7 +407,7 @@ def evaluate_babilong(
     cells = [(task, length, _resolve_rows(task, length, source), source) for (task, length), source in data.items()]
     for task, length, rows, source in cells:
         _check_targets(task, length, rows, source)
-    generation_config = _generation_config(model, tokenizer, max_new_tokens)
+    generation_config = greedy_generation_config(model, tokenizer, max_new_tokens)
     modes = ["memory", "no_memory"] if ablation else ["memory"]
     memory_config = getattr(getattr(model, "config", None), "memory_config", None)
     chunk_size = getattr(memory_config, "chunk_size", None)
@@ -421,7 +421,7 @@ def evaluate_babilong(
         with tqdm(total=total, desc="BABILong eval", unit="answer", disable=not show_progress) as progress:
             for task, length, rows, source in cells:
                 labels, labels_from = task_labels(task, rows)
-                prompts = [_prompt_ids(row, tokenizer) for row in rows]
+                prompts = [prompt_ids(row, tokenizer) for row in rows]
                 _warn_about_length(task, length, prompts, source)
                 batches = _batches(prompts, batch_size, padding_multiple)
                 answers: dict[str, list[str]] = {}

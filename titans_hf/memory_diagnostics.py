@@ -30,16 +30,12 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from titans_hf.tasks.babilong import PROMPT_TEMPLATE, build_example, supporting_fact_spans, task_labels
+from titans_hf.evaluation import prompt_ids
+from titans_hf.tasks.babilong import PROMPT_TEMPLATE, supporting_fact_spans, task_labels
 from titans_hf.utils import atomic_write, plain_backend_tokenizer
 
 
 QUESTION_TOKENS = 8  # the prompt's last tokens ("Where is Mary?\nAnswer:"), whose reads decide the answer
-
-
-def _prompt_ids(row: Mapping[str, str], tokenizer) -> list[int]:
-    example = build_example(dict(row), tokenizer, 1 << 62, answer_reserve_tokens=1, pad_to_max_length=False)
-    return example["input_ids"][: example["prompt_length"]]
 
 
 def _fact_token_mask(row: Mapping[str, str], spans: Sequence[tuple[int, int]], tokenizer, length: int) -> torch.Tensor:
@@ -60,14 +56,14 @@ def _counterfactual(row: Mapping[str, str], task: str, tokenizer, labels: Sequen
     spans = supporting_fact_spans(row, task)
     if spans is None:
         return None
-    ids = _prompt_ids(row, tokenizer)
+    ids = prompt_ids(row, tokenizer)
     start, end = spans[0]
     fact = row["input"][start:end]
     for label in labels:
         for word in [w for w in labels if w != label and f" {w}" in fact]:
             at = start + fact.rindex(f" {word}") + 1
             other = dict(row, input=row["input"][:at] + label + row["input"][at + len(word):])
-            other_ids = _prompt_ids(other, tokenizer)
+            other_ids = prompt_ids(other, tokenizer)
             if len(other_ids) == len(ids) and other_ids != ids:
                 return ids, other_ids, spans
     return None

@@ -1,5 +1,5 @@
-"""What every `titans-hf` parser shares: the types of lengths and of models given by path or Hub id, and one
-spelling of the flags."""
+"""What every `titans-hf` parser shares: the types of lengths and of models given by path or Hub id, the flags that
+load a model for evaluation, and one spelling of the flags."""
 
 from __future__ import annotations
 
@@ -25,6 +25,23 @@ def local_or_hub(text: str) -> str:
     if not path.exists() and (not is_hub_id(text) or Path(path.parts[0]).is_dir()):
         raise argparse.ArgumentTypeError(f"{text}: no such file or folder (nor a Hub repository id)")
     return text
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, device_default: str | None, device_help: str
+                        ) -> argparse._ArgumentGroup:
+    """The group "the model" of the commands that load a memory to evaluate it (`load_model_for_eval`'s inputs):
+    --model, --memory, --tokenizer, --dtype, --device."""
+    model = parser.add_argument_group("the model")
+    model.add_argument("--model", required=True, type=local_or_hub,
+                       help="a memory folder or Hub id (it names its base), a base Qwen (with --memory), or a full "
+                       "TitansQwen folder")
+    model.add_argument("--memory", default=None, type=local_or_hub,
+                       help="memory folder or Hub id, to put on the --model base")
+    model.add_argument("--tokenizer", default=None, type=local_or_hub,
+                       help="tokenizer name or path (default: the base model's)")
+    model.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    model.add_argument("--device", default=device_default, help=device_help)
+    return model
 
 
 def one_spelling(argv: list[str]) -> list[str]:

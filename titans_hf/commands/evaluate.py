@@ -23,7 +23,7 @@ from titans_hf.tasks.babilong import GENERATED_TASKS, generate_babilong, length_
 from titans_hf.tasks.babilong.generate import read_haystack_sentences
 from titans_hf.utils import check_tokenizer_argument, prepare_output_dir
 
-from .arguments import length, local_or_hub
+from .arguments import add_model_arguments, length
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -36,17 +36,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         "heatmap.png and predictions.jsonl to --output. With --lm: loss and perplexity per chunk index on windows "
         "of your token stores (from titans-hf prepare); writes lm_results.json and loss_per_chunk.png.",
     )
-    model = parser.add_argument_group("the model")
-    model.add_argument("--model", required=True, type=local_or_hub,
-                       help="a memory folder or Hub id (it names its base), a base Qwen (with --memory), or a full "
-                       "TitansQwen folder")
-    model.add_argument("--memory", default=None, type=local_or_hub,
-                       help="memory folder or Hub id, to put on the --model base")
-    model.add_argument("--tokenizer", default=None, type=local_or_hub,
-                       help="tokenizer name or path (default: the base model's)")
-    model.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    model.add_argument("--device", default="cuda" if torch.cuda.is_available() else None,
-                       help="e.g. cuda or cpu (default: cuda when there is one)")
+    add_model_arguments(parser, "cuda" if torch.cuda.is_available() else None,
+                        "e.g. cuda or cpu (default: cuda when there is one)")
     data = parser.add_argument_group("the data (BABILong rows; with --lm, token stores)")
     source = data.add_mutually_exclusive_group(required=True)
     source.add_argument("--data", nargs="+",

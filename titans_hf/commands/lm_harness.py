@@ -10,7 +10,7 @@ from pathlib import Path
 
 from titans_hf.utils import atomic_write, prepare_output_dir
 
-from .arguments import local_or_hub
+from .arguments import add_model_arguments
 
 RESULTS_NAME = "lm_eval_results.json"
 
@@ -24,16 +24,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         "model>). Batches of mixed lengths answer each request as it is answered alone. Needs the lm_eval extra: "
         "pip install 'titans_hf[lm_eval]'. Writes lm_eval_results.json to --output and prints lm-eval's table.",
     )
-    model = parser.add_argument_group("the model")
-    model.add_argument("--model", required=True, type=local_or_hub,
-                       help="a memory folder or Hub id (it names its base), a base Qwen (with --memory), or a full "
-                       "TitansQwen folder")
-    model.add_argument("--memory", default=None, type=local_or_hub,
-                       help="memory folder or Hub id, to put on the --model base")
-    model.add_argument("--tokenizer", default=None, type=local_or_hub,
-                       help="tokenizer name or path (default: the base model's)")
-    model.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    model.add_argument("--device", default=None, help="e.g. cuda or cpu (default: where the model loads)")
+    model = add_model_arguments(parser, None, "e.g. cuda or cpu (default: where the model loads)")
     model.add_argument("--memory-off", action="store_true",
                        help="the ablation: the same weights with the memory switched off (the base chunk by chunk)")
     tasks = parser.add_argument_group("the tasks")
