@@ -73,8 +73,12 @@ BASE_SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size
 _REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,254}")
 # Weights titans_hf never loads (pickle can run code): a folder holding only these is refused, naming it.
 PICKLE_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-# Blocks of each weight file that go into a base's fingerprint, besides its size and safetensors header.
-_FINGERPRINT_BLOCKS, _FINGERPRINT_BLOCK_BYTES = 16, 1 << 16
+# What of each tensor goes into a base's fingerprint besides its name, dtype and shape: blocks at the start, middle and
+# end of its bytes. The fingerprint of titans_hf <= 0.3 (blocks spread over each file) is still accepted at load.
+_FINGERPRINT_TENSOR_BLOCK_BYTES = 1 << 12
+_LEGACY_FINGERPRINT_BLOCKS, _LEGACY_FINGERPRINT_BLOCK_BYTES = 16, 1 << 16
+# safetensors' own limit on a header's size
+_MAX_SAFETENSORS_HEADER_BYTES = 100_000_000
 _TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                  "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
                  "BOOL": torch.bool}
@@ -270,10 +274,53 @@ def check_safetensors_folder(folder: str | os.PathLike, what: str) -> None:
 
 
 def base_fingerprint(folder: str | os.PathLike) -> str:
-    """sha256 that tells two local base folders apart: their config.json, and per safetensors file its name, size,
-    header and 16 blocks of 64 KiB spread over it (two trained models of one shape differ in every block; a full
-    hash of a 15 GB base would cost a minute at every load). Recorded at `from_base`, compared at load."""
+    """sha256 that tells two local base folders apart: their config.json, and for every tensor of every safetensors
+    file its name, dtype, shape and three blocks of 4 KiB of its bytes (start, middle, end). A model fine-tuned in
+    a single layer differs there; reading a few MB instead of hashing a 15 GB base in full keeps loading fast.
+    Recorded at `from_base`, compared at load (`base_matches_fingerprint`)."""
     folder = Path(folder)
+    digest = hashlib.sha256()
+    config = folder / "config.json"
+    digest.update(config.read_bytes() if config.is_file() else b"")
+    for path in sorted(folder.glob("*.safetensors")):
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as handle:
+            header = _safetensors_header(handle, size, path)
+            data_start = handle.tell()
+            for name in sorted(name for name in header if name != "__metadata__"):
+                entry = header[name]
+                begin, end = (int(offset) for offset in entry["data_offsets"])
+                digest.update(json.dumps([name, entry["dtype"], entry["shape"], end - begin]).encode())
+                block = _FINGERPRINT_TENSOR_BLOCK_BYTES
+                middle = max(begin, (begin + end) // 2 - block // 2)
+                for offset in dict.fromkeys((begin, middle, max(begin, end - block))):
+                    handle.seek(data_start + offset)
+                    digest.update(handle.read(min(block, end - offset)))
+    return digest.hexdigest()
+
+
+def _safetensors_header(handle: Any, size: int, path: Path) -> dict[str, Any]:
+    """A safetensors file's header (tensor name: dtype, shape, data_offsets), its length checked against the file;
+    `handle` is left at the start of the data."""
+    length = int.from_bytes(handle.read(8), "little")
+    if not 0 < length <= min(size - 8, _MAX_SAFETENSORS_HEADER_BYTES):
+        raise ValueError(f"{path}: not a safetensors file (its header claims {length} bytes of a {size}-byte file)")
+    try:
+        header = json.loads(handle.read(length))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                begin, end = (int(offset) for offset in entry["data_offsets"])
+                if not 0 <= begin <= end <= size - 8 - length:
+                    raise ValueError(f"tensor {name!r} lies outside the file")
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"{path}: not a readable safetensors header ({error})") from error
+    return header
+
+
+def _legacy_base_fingerprint(folder: Path) -> str:
+    """The fingerprint titans_hf <= 0.3 recorded: config.json, and per safetensors file its name, size, header and
+    16 blocks of 64 KiB spread over it."""
     digest = hashlib.sha256()
     config = folder / "config.json"
     digest.update(config.read_bytes() if config.is_file() else b"")
@@ -283,10 +330,16 @@ def base_fingerprint(folder: str | os.PathLike) -> str:
         with open(path, "rb") as handle:
             header = handle.read(8)
             digest.update(header + handle.read(min(int.from_bytes(header, "little"), size) if len(header) == 8 else 0))
-            for index in range(_FINGERPRINT_BLOCKS):
-                handle.seek(size * index // _FINGERPRINT_BLOCKS)
-                digest.update(handle.read(_FINGERPRINT_BLOCK_BYTES))
+            for index in range(_LEGACY_FINGERPRINT_BLOCKS):
+                handle.seek(size * index // _LEGACY_FINGERPRINT_BLOCKS)
+                digest.update(handle.read(_LEGACY_FINGERPRINT_BLOCK_BYTES))
     return digest.hexdigest()
+
+
+def base_matches_fingerprint(folder: str | os.PathLike, recorded: str) -> bool:
+    """Whether the base folder is the one whose fingerprint a memory recorded (also by the fingerprint of titans_hf
+    <= 0.3, for memories it saved)."""
+    return recorded in (base_fingerprint(folder), _legacy_base_fingerprint(Path(folder)))
 
 
 def recorded_base(config: TitansMemoryConfig, source: str) -> str:
@@ -307,7 +360,7 @@ def recorded_base(config: TitansMemoryConfig, source: str) -> str:
     if not path.is_dir():
         raise ValueError(f"{source}: its memory config names the local base {base}, which does not exist on this "
                          "machine; pass the base explicitly")
-    if config.base_fingerprint is not None and base_fingerprint(path) != config.base_fingerprint:
+    if config.base_fingerprint is not None and not base_matches_fingerprint(path, config.base_fingerprint):
         raise ValueError(f"{source}: its memory config names the local base {base}, but the model there now is not the "
                          "one the memory was trained on (base_fingerprint differs: other weights or config); pass the "
                          "base explicitly if this is intended")

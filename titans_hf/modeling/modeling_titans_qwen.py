@@ -38,6 +38,7 @@ from titans_hf.hub import (
     MEMORY_WEIGHTS_NAME,
     TitansMemoryConfig,
     base_fingerprint,
+    base_matches_fingerprint,
     check_safetensors_folder,
     hub_file,
     is_hub_id,
@@ -381,7 +382,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
                                  "the base explicitly (from_base_and_memory(base, memory))")
             base = recorded_base(memory_config, str(memory))
         elif (not isinstance(base, PreTrainedModel) and memory_config.base_fingerprint is not None
-              and Path(base).is_dir() and base_fingerprint(base) != memory_config.base_fingerprint):
+              and Path(base).is_dir() and not base_matches_fingerprint(base, memory_config.base_fingerprint)):
             logger.warning("%s: the base %s is not the model the memory was trained on (%s; base_fingerprint "
                            "differs); using it as asked", memory, base, memory_config.base_model_name_or_path)
         base_revision = base_revision if base_revision is not None else memory_config.revision
