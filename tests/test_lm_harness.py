@@ -66,6 +66,8 @@ def test_lm_eval_batches_answer_as_each_request_alone(tmp_path, tiny_qwen3_dir, 
     phases = {len(tokenizer(question)["input_ids"]) % model.padding_multiple for question, _ in QUESTIONS}
     assert len(phases) > 1  # lm-eval's left-padded generation batches mix places in the chunk cycle
     alone = run(folder, tasks, tmp_path / "alone", "--batch-size", "1")
+    with pytest.raises(FileExistsError, match=r"alone/lm_eval_results\.json exists; pass --overwrite"):
+        run(folder, tasks, tmp_path / "alone", "--batch-size", "1")
     batched = run(folder, tasks, tmp_path / "batched", "--batch-size", "4")
     assert set(batched["results"]) == {"tiny_ll", "tiny_gen"}
     assert batched["results"] == alone["results"]
@@ -82,3 +84,14 @@ def test_lm_eval_names_an_unknown_task(tmp_path, tiny_qwen3_dir, tasks):
     with pytest.raises(ValueError, match=r"no lm-eval task or group is called \['tiny_nothing'\]"):
         cli_main(["lm-eval", "--model", str(tiny_qwen3_dir), "--tasks", "tiny_nothing", "--include-path", str(tasks),
                   "--output", str(tmp_path / "out")])
+
+
+def test_lm_eval_keeps_a_users_results_file_even_with_overwrite(tmp_path, tiny_qwen3_dir, tasks):
+    output = tmp_path / "out"
+    output.mkdir()
+    (output / "lm_eval_results.json").write_text('{"mine": true}\n')
+    for flags, message in (([], r"exists; pass --overwrite"), (["--overwrite"], r"titans_hf did not write it")):
+        with pytest.raises(FileExistsError, match=message):
+            cli_main(["lm-eval", "--model", str(tiny_qwen3_dir), "--tasks", "tiny_ll", "--include-path", str(tasks),
+                      "--output", str(output), *flags])
+    assert (output / "lm_eval_results.json").read_text() == '{"mine": true}\n'

@@ -6,9 +6,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-from pathlib import Path
 
-from titans_hf.utils import atomic_write, prepare_output_dir
+from titans_hf.utils import atomic_write_json, prepare_output_dir, record_outputs
 
 from .arguments import add_model_arguments
 
@@ -41,6 +40,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     run.add_argument("--log-samples", action="store_true",
                      help="also write every request's inputs and responses into the results")
     run.add_argument("--output", required=True, help="folder for lm_eval_results.json")
+    run.add_argument("--overwrite", action="store_true",
+                     help="replace the lm_eval_results.json an earlier lm-eval wrote there (never another file)")
     parser.set_defaults(func=lm_eval_command)
 
 
@@ -59,7 +60,7 @@ def lm_eval_command(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"titans-hf lm-eval: no lm-eval task or group is called {unknown}"
                          + ("" if args.include_path else " (your own tasks' folder goes to --include-path)"))
-    output = prepare_output_dir(args.output, (RESULTS_NAME,))
+    output = prepare_output_dir(args.output, (RESULTS_NAME,), overwrite=args.overwrite)
     model, tokenizer = load_model_for_eval(args.model, args.memory, args.tokenizer, args.dtype, args.device)
     lm = HFLM(pretrained=model.eval(), tokenizer=tokenizer, backend="causal", batch_size=args.batch_size)
     with model.memory_disabled() if args.memory_off else contextlib.nullcontext():
@@ -69,8 +70,9 @@ def lm_eval_command(args: argparse.Namespace) -> int:
             torch_random_seed=args.seed, fewshot_random_seed=args.seed,
         )
     results["titans_hf"] = {"model": args.model, "memory": args.memory, "memory_off": args.memory_off}
-    text = json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False) + "\n"
-    path = atomic_write(output / RESULTS_NAME, lambda temporary: Path(temporary).write_text(text, encoding="utf-8"))
+    # lm-eval's own objects become what its handler makes of them; NaN (a stderr of one sample) becomes null
+    path = atomic_write_json(output / RESULTS_NAME, json.loads(json.dumps(results, default=handle_non_serializable)))
+    record_outputs(output, [RESULTS_NAME], "titans-hf lm-eval")
     print(make_table(results))
     print(f"wrote {path}")
     return 0
