@@ -602,15 +602,31 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
     def init_memory_states(self, batch_size: int, device: torch.device | None = None) -> dict[int, MemoryState]:
         return {int(layer): block.neural_memory.init_state(batch_size, device) for layer, block in self.memory.items()}
 
-    def _attention_masks(self, hidden: Tensor, attention_mask: Tensor | None, cache: TitansCache | None,
-                         position_ids: Tensor) -> dict:
+    def _chunk_geometry(self, hidden: Tensor, attention_mask: Tensor | None, attention_cache: DynamicCache | None,
+                        past: int, reuse: dict | None) -> tuple[Tensor, dict, tuple[Tensor, Tensor]]:
+        """(position ids, attention masks by layer type, RoPE's cos and sin) of a piece whose queries sit at positions
+        `past` .. behind `past` keys. Without padding they depend only on the shapes, so they are built once per shape
+        and kept in `reuse` (one dict per stream) for every chunk after: building them costs as much as a small
+        chunk's attention. A boolean mask is kept as the additive float mask SDPA turns it into (0 / -inf), so that
+        conversion is not paid at every layer either."""
+        key = (past, *hidden.shape[:2], hidden.dtype, hidden.device)
+        if attention_mask is None and reuse is not None and key in reuse:
+            return reuse[key]
         text = self.config.text_config
-        kwargs = dict(config=text, inputs_embeds=hidden, attention_mask=attention_mask, cache=cache,
+        position_ids = torch.arange(past, past + hidden.shape[1], device=hidden.device).unsqueeze(0)
+        kwargs = dict(config=text, inputs_embeds=hidden, attention_mask=attention_mask, cache=attention_cache,
                       position_ids=position_ids)
         masks = {"full_attention": create_causal_mask(**kwargs)}
         if "sliding_attention" in text.layer_types:
             masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
-        return masks
+        geometry = (position_ids, masks, self.model.rotary_emb(hidden, position_ids))
+        if attention_mask is None and reuse is not None:
+            # no padding: every query sees at least itself, so no row of the float mask is all -inf
+            masks.update({kind: torch.zeros(mask.shape, dtype=hidden.dtype, device=mask.device).masked_fill_(
+                ~mask, float("-inf")) for kind, mask in masks.items()
+                if isinstance(mask, Tensor) and mask.dtype == torch.bool})
+            reuse[key] = geometry
+        return geometry
 
     def _chunk_prefix(self, states: dict[int, MemoryState], batch_size: int) -> Tensor | None:
         """What goes in front of a chunk: persistent tokens, then each memory block's prefix tokens (or None)."""
@@ -651,6 +667,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         predict: bool = False,
         previous: PreviousChunk | None = None,
         hidden_states: bool = False,
+        geometry: dict | None = None,
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None, dict[int, MemoryState], PreviousChunk | None,
                tuple[Tensor, ...] | None]:
         """Run tokens (ids [B, T], or embeddings [B, T, hidden]) that lie inside one chunk through the base's own
@@ -658,9 +675,10 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         over labelled positions or None, with `predict` the greedy next token and the loss of every position or
         None, new memory states, without a cache but with `previous` (attend_previous_chunk) this chunk's keys,
         values and mask for the next chunk, with `hidden_states` the embeddings and every layer's output, the last
-        one normed, as a Qwen model returns them). Kept separate so it can be checkpointed as one unit, so every
-        input is an argument (`enabled` too: the recomputation in backward may run after `memory_disabled()` has
-        exited) and no cache is changed in it but the decoding one."""
+        one normed, as a Qwen model returns them). `geometry` keeps the masks and positions built for one shape for
+        the next chunks of the stream (see `_chunk_geometry`). Kept separate so it can be checkpointed as one unit,
+        so every input is an argument (`enabled` too: the recomputation in backward may run after `memory_disabled()`
+        has exited) and no cache is changed in it but the decoding one."""
         batch_size, length = inputs.shape[:2]
         hidden = inputs if inputs.is_floating_point() else self.model.embed_tokens(inputs)
         prefix = self._chunk_prefix(states, batch_size) if starts_chunk and enabled else None
@@ -686,9 +704,8 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
                 attention_mask = None
         else:
             attention_mask, past = self._chunk_attention_mask(mask, cache, batch_size, hidden.shape[1], hidden.device)
-        position_ids = torch.arange(past, past + hidden.shape[1], device=hidden.device).unsqueeze(0)
-        masks = self._attention_masks(hidden, attention_mask, attention_cache, position_ids)
-        position_embeddings = self.model.rotary_emb(hidden, position_ids)
+        position_ids, masks, position_embeddings = self._chunk_geometry(hidden, attention_mask, attention_cache, past,
+                                                                        geometry)
 
         new_states = dict(states)
         layer_types = self.config.text_config.layer_types
@@ -708,7 +725,22 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         if all_hidden is not None:
             all_hidden[-1] = hidden
 
+        logits, loss_sum, per_token = self._head(hidden, shifted_labels, keep_from, predict)
+        current = None
+        if previous is not None:
+            current = PreviousChunk(
+                [(layer.keys[:, :, past:], layer.values[:, :, past:]) for layer in attention_cache.layers],
+                None if attention_mask is None else as_previous_chunk_mask(attention_mask[:, past:], num_prefix),
+            )
+        return logits, loss_sum, per_token, new_states, current, None if all_hidden is None else tuple(all_hidden)
+
+    def _head(self, hidden: Tensor, shifted_labels: Tensor | None, keep_from: int, predict: bool
+              ) -> tuple[Tensor | None, Tensor | None, tuple[Tensor, Tensor] | None]:
+        """What the LM head makes of one chunk's normed hidden states: (logits of positions >= keep_from or None,
+        summed loss over labelled positions or None, with `predict` the greedy next token and loss of every
+        position)."""
         logits = loss_sum = per_token = None
+        length = hidden.shape[1]
         if shifted_labels is not None:
             all_logits = self.lm_head(hidden)
             token_losses = F.cross_entropy(all_logits.float().flatten(0, 1), shifted_labels.flatten(),
@@ -722,13 +754,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
                 logits = all_logits[:, keep_from:]
         elif keep_from < length:
             logits = self.lm_head(hidden[:, keep_from:])
-        current = None
-        if previous is not None:
-            current = PreviousChunk(
-                [(layer.keys[:, :, past:], layer.values[:, :, past:]) for layer in attention_cache.layers],
-                None if attention_mask is None else as_previous_chunk_mask(attention_mask[:, past:], num_prefix),
-            )
-        return logits, loss_sum, per_token, new_states, current, None if all_hidden is None else tuple(all_hidden)
+        return logits, loss_sum, per_token
 
     def forward(
         self,
@@ -912,6 +938,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         # without a cache, the previous chunk's keys travel from piece to piece (with one, the cache holds them)
         previous = PreviousChunk([], None) if window and cache is None else None
         all_logits, per_token, all_hidden, loss_sum, start = [], [], [], None, 0
+        geometry: dict = {}  # masks and positions by shape, shared by the chunks of this stream
         while start < length:
             position = seen + start
             end = min(length, start + chunk_size - position % chunk_size)
@@ -935,6 +962,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
                 predict,
                 previous,
                 hidden_states,
+                geometry,
             )
             if use_checkpoint:
                 logits, piece_loss, piece_tokens, states, current, piece_hidden = checkpoint(
