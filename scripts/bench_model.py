@@ -10,7 +10,10 @@
 4. The main job's stand-in (`titans_hf.demo`: a Qwen3 of hidden size 64 and 2 layers, chunks of 32 tokens attending
    to themselves, its memory settings) at batch 1, forward only, best of 5: tokens/s with the memory, with the memory
    switched off (the same chunk loop), and the plain base with full attention, at 1024 and 4096 tokens.
-5. `--gpu`: the prepared device run, the 0.5B-shaped model at 32k tokens, chunk 4096, bf16.
+5. `--gpu`: the prepared device run (not yet run: no device lent so far), the 0.5B-shaped model at 32k tokens,
+   chunk 4096, bf16, training step: tokens/s with the memory vs the same chunking vs full attention (SDPA, which
+   takes its flash kernel on CUDA for causal attention without a mask), and the share of the device's bf16 peak
+   (`--peak-tflops`, default an H100/H200's 989 dense) that the model FLOPs (6 N per token plus attention) reach.
 
 Goals (issue 23): memory adds <= 25% to the tiny training step; training memory grows sub-linearly in chunks;
 prefill tokens/s within 15% and peak memory flat from 32k to 1M; the stand-in with memory >= 0.6x the tokens/s of
@@ -254,6 +257,24 @@ def bench_stand_in(lengths, repeats: int) -> list[dict]:
     return rows
 
 
+def model_flops(shape: dict, tokens: int, chunk_size: int | None) -> float:
+    """Training FLOPs of one step, analytically: 6 N per token for the non-embedding weights and the LM head, plus
+    the attention products (QK^T and AV, 4 d FLOPs per query-key pair forward, x3 with the backward) over the keys
+    each query sees: half the sequence for full causal attention, or with chunks (attend_previous_chunk) the
+    previous chunk and half of its own."""
+    hidden, layers, heads, kv = (shape[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                    "num_key_value_heads"))
+    head_dim = hidden // heads
+    per_layer = hidden * head_dim * (2 * heads + 2 * kv) + 3 * hidden * shape["intermediate_size"]
+    weights = layers * per_layer + hidden * shape["vocab_size"]
+    if chunk_size is None:
+        keys = tokens / 2
+    else:
+        first = min(tokens, chunk_size)
+        keys = (first * first / 2 + (tokens - first) * 1.5 * chunk_size) / tokens
+    return 6 * weights * tokens + 3 * 4 * hidden * layers * tokens * keys
+
+
 def summarise(rows: list[dict], clock: str) -> dict:
     """Ratios side by side; `clock` is "cpu_seconds" on CPU (steadier on a shared machine) or "seconds"."""
     summary = {"time_ratios_use": clock}
@@ -296,7 +317,7 @@ def summarise(rows: list[dict], clock: str) -> dict:
 
 def print_table(rows: list[dict]) -> None:
     columns = ["bench", "config", "model", "checkpoint_chunks", "chunks", "tokens", "chunk_size", "tokens_per_s",
-               "seconds", "cpu_seconds", "peak_mb"]
+               "seconds", "cpu_seconds", "peak_mb", "model_tflops_per_s", "percent_of_bf16_peak"]
     shown = [c for c in columns if any(c in r for r in rows)]
     fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else ("" if v is None else str(v))  # noqa: E731
     table = [shown] + [[fmt(r.get(c)) for c in shown] for r in rows]
@@ -310,6 +331,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes, under a minute on 2 CPU cores")
     parser.add_argument("--json", type=Path, help="write rows and summary here")
     parser.add_argument("--gpu", action="store_true", help="only the prepared device run (0.5B shape, 32k, bf16)")
+    parser.add_argument("--peak-tflops", type=float, default=989.0,
+                        help="--gpu: the device's dense bf16 peak in TFLOP/s (H100 / H200 SXM: 989)")
     parser.add_argument("--long", action="store_true", help="full mode: the prefill at 1M prompt tokens as well")
     parser.add_argument("--only", choices=["train", "chunks", "prefill", "stand-in"], nargs="*",
                         help="full or quick mode: only these parts")
@@ -324,6 +347,10 @@ def main() -> None:
             raise SystemExit("--gpu: no CUDA device here")
         device, dtype = torch.device("cuda"), torch.bfloat16
         rows += bench_training("qwen2.5-0.5b shape, bf16", QWEN25_05B, None, 32768, 4096, device, dtype, repeats=3)
+        for row in rows:  # the memory's own FLOPs are left out: a share of peak for the backbone's work
+            flops = model_flops(QWEN25_05B, row["tokens"], None if "full attention" in row["model"] else 4096)
+            row["model_tflops_per_s"] = flops / row["seconds"] / 1e12
+            row["percent_of_bf16_peak"] = 100 * row["model_tflops_per_s"] / args.peak_tflops
     else:
         device, dtype = torch.device("cpu"), torch.float32
         parts = set(args.only or ["train", "chunks", "prefill", "stand-in"])
