@@ -5,11 +5,19 @@
    Qwen2.5-0.5B-shaped config with random weights. All three train every weight (freeze_base=False) so that each
    step has the same backward to do; the frozen-base Titans step (the actual recipe) is listed as well.
 2. Peak training memory at 2, 4 and 8 chunks (tiny config, frozen base), with and without chunk checkpointing.
-3. `generate` prefill (one new token) at 8k, 32k and 128k prompt tokens: time and peak memory (tiny config).
-4. `--gpu`: the prepared device run, the 0.5B-shaped model at 32k tokens, chunk 4096, bf16.
+3. `generate` prefill (one new token) at 8k, 32k and 128k prompt tokens (`--long`: and 1M), chunks of 4096: time,
+   tokens/s and peak memory (tiny config).
+4. The main job's stand-in (`titans_hf.demo`: a Qwen3 of hidden size 64 and 2 layers, chunks of 32 tokens attending
+   to themselves, its memory settings) at batch 1, forward only, best of 5: tokens/s with the memory, with the memory
+   switched off (the same chunk loop), and the plain base with full attention, at 1024 and 4096 tokens.
+5. `--gpu`: the prepared device run (not yet run: no device lent so far), the 0.5B-shaped model at 32k tokens,
+   chunk 4096, bf16, training step: tokens/s with the memory vs the same chunking vs full attention (SDPA, which
+   takes its flash kernel on CUDA for causal attention without a mask), and the share of the device's bf16 peak
+   (`--peak-tflops`, default an H100/H200's 989 dense) that the model FLOPs (6 N per token plus attention) reach.
 
-Goals: memory adds <= 25% to step time; training memory grows sub-linearly in chunks; prefill memory flat (+-10%)
-and prefill time linear from 8k to 128k.
+Goals (issue 23): memory adds <= 25% to the tiny training step; training memory grows sub-linearly in chunks;
+prefill tokens/s within 15% and peak memory flat from 32k to 1M; the stand-in with memory >= 0.6x the tokens/s of
+its memory-off loop, and that loop within 1.5x of full attention at 1024 tokens.
 
 CPU runs use one thread by default and report CPU time beside wall time (a shared machine disturbs CPU time
 least). CPU peak memory is the peak resident set size above the level just before the measured call (sampled every 2 ms,
@@ -29,9 +37,10 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from titans_hf.demo import MEMORY_SETTINGS, STAND_IN_BASE  # noqa: E402
 from titans_hf.modeling import TitansCache, TitansQwenConfig, TitansQwenForCausalLM  # noqa: E402
 
 TINY = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
@@ -214,6 +223,58 @@ def bench_prefill(lengths, chunk_size, device, dtype) -> list[dict]:
     return rows
 
 
+def bench_stand_in(lengths, repeats: int) -> list[dict]:
+    """The main job's stand-in at batch 1, forward only (what evaluation and the loss over long rows run)."""
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=96, intermediate_size=2 * STAND_IN_BASE["hidden_size"],
+                         head_dim=STAND_IN_BASE["hidden_size"] // STAND_IN_BASE["num_attention_heads"],
+                         max_position_embeddings=1 << 20, tie_word_embeddings=True, **STAND_IN_BASE)
+    config._attn_implementation = "sdpa"
+    base = Qwen3ForCausalLM(config).eval()
+    titans_config = TitansQwenConfig(text_config=base.config, memory_config=dict(chunk_size=32, **MEMORY_SETTINGS))
+    titans_config._attn_implementation = "sdpa"
+    titans = TitansQwenForCausalLM(titans_config, backbone=base).eval()
+    with torch.no_grad():
+        for block in titans.memory.values():  # off its zero init, so the memory's read reaches the output
+            block.output_weight.normal_(std=0.02)
+    rows = []
+    for length in lengths:
+        ids = torch.randint(0, config.vocab_size, (1, length))
+
+        def forward(model, context=None):
+            def run():
+                with torch.no_grad(), context() if context else _null():
+                    model(ids)
+            return run
+
+        runs = {"stand-in with memory": forward(titans), "same chunk loop, memory off":
+                forward(titans, titans.memory_disabled), "plain base, full attention": forward(base)}
+        times = dict(zip(runs, fastest_interleaved(list(runs.values()), torch.device("cpu"), repeats)))
+        rows += [dict(bench="stand_in_forward", model=label, tokens=length, chunk_size=32,
+                      tokens_per_s=length / times[label][1],  # of CPU time: steadier on a shared machine
+                      seconds=times[label][0], cpu_seconds=times[label][1])
+                 for label in runs]
+    return rows
+
+
+def model_flops(shape: dict, tokens: int, chunk_size: int | None) -> float:
+    """Training FLOPs of one step, analytically: 6 N per token for the non-embedding weights and the LM head, plus
+    the attention products (QK^T and AV, 4 d FLOPs per query-key pair forward, x3 with the backward) over the keys
+    each query sees: half the sequence for full causal attention, or with chunks (attend_previous_chunk) the
+    previous chunk and half of its own."""
+    hidden, layers, heads, kv = (shape[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                    "num_key_value_heads"))
+    head_dim = hidden // heads
+    per_layer = hidden * head_dim * (2 * heads + 2 * kv) + 3 * hidden * shape["intermediate_size"]
+    weights = layers * per_layer + hidden * shape["vocab_size"]
+    if chunk_size is None:
+        keys = tokens / 2
+    else:
+        first = min(tokens, chunk_size)
+        keys = (first * first / 2 + (tokens - first) * 1.5 * chunk_size) / tokens
+    return 6 * weights * tokens + 3 * 4 * hidden * layers * tokens * keys
+
+
 def summarise(rows: list[dict], clock: str) -> dict:
     """Ratios side by side; `clock` is "cpu_seconds" on CPU (steadier on a shared machine) or "seconds"."""
     summary = {"time_ratios_use": clock}
@@ -239,15 +300,24 @@ def summarise(rows: list[dict], clock: str) -> dict:
         first = prefill[0]
         summary["prefill_vs_shortest"] = {
             f"{r['tokens']}": dict(length_ratio=r["tokens"] / first["tokens"], time_ratio=r[clock] / first[clock],
+                                   time_per_token_ratio=(r[clock] / r["tokens"]) / (first[clock] / first["tokens"]),
                                    peak_ratio=r["peak_mb"] / max(first["peak_mb"], 1e-9))
             for r in prefill[1:]
         }
+    for length in sorted({r["tokens"] for r in rows if r["bench"] == "stand_in_forward"}):
+        speed = {r["model"]: r["tokens_per_s"] for r in rows if r["bench"] == "stand_in_forward"
+                 and r["tokens"] == length}
+        memory_off = speed["same chunk loop, memory off"]
+        summary[f"stand_in_{length}_tokens"] = dict(  # tokens/s of CPU time
+            memory_vs_memory_off=speed["stand-in with memory"] / memory_off,
+            memory_off_time_vs_full_attention=speed["plain base, full attention"] / memory_off,
+        )
     return summary
 
 
 def print_table(rows: list[dict]) -> None:
     columns = ["bench", "config", "model", "checkpoint_chunks", "chunks", "tokens", "chunk_size", "tokens_per_s",
-               "seconds", "cpu_seconds", "peak_mb"]
+               "seconds", "cpu_seconds", "peak_mb", "model_tflops_per_s", "percent_of_bf16_peak"]
     shown = [c for c in columns if any(c in r for r in rows)]
     fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else ("" if v is None else str(v))  # noqa: E731
     table = [shown] + [[fmt(r.get(c)) for c in shown] for r in rows]
@@ -261,6 +331,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes, under a minute on 2 CPU cores")
     parser.add_argument("--json", type=Path, help="write rows and summary here")
     parser.add_argument("--gpu", action="store_true", help="only the prepared device run (0.5B shape, 32k, bf16)")
+    parser.add_argument("--peak-tflops", type=float, default=989.0,
+                        help="--gpu: the device's dense bf16 peak in TFLOP/s (H100 / H200 SXM: 989)")
+    parser.add_argument("--long", action="store_true", help="full mode: the prefill at 1M prompt tokens as well")
+    parser.add_argument("--only", choices=["train", "chunks", "prefill", "stand-in"], nargs="*",
+                        help="full or quick mode: only these parts")
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads (default 1: idle OpenMP threads spin, which inflates CPU time when shared)")
     args = parser.parse_args()
@@ -272,19 +347,34 @@ def main() -> None:
             raise SystemExit("--gpu: no CUDA device here")
         device, dtype = torch.device("cuda"), torch.bfloat16
         rows += bench_training("qwen2.5-0.5b shape, bf16", QWEN25_05B, None, 32768, 4096, device, dtype, repeats=3)
+        for row in rows:  # the memory's own FLOPs are left out: a share of peak for the backbone's work
+            flops = model_flops(QWEN25_05B, row["tokens"], None if "full attention" in row["model"] else 4096)
+            row["model_tflops_per_s"] = flops / row["seconds"] / 1e12
+            row["percent_of_bf16_peak"] = 100 * row["model_tflops_per_s"] / args.peak_tflops
     else:
         device, dtype = torch.device("cpu"), torch.float32
+        parts = set(args.only or ["train", "chunks", "prefill", "stand-in"])
         if args.quick:
-            rows += bench_training("tiny", TINY, None, 256, 64, device, dtype, repeats=2)
-            rows += bench_training("qwen2.5-0.5b shape, 1 of 24 layers", QWEN25_05B, 1, 32, 16, device, dtype,
-                                   repeats=1)
-            rows += bench_chunks(32, (2, 4, 8), device, dtype)
-            rows += bench_prefill((512, 2048, 8192), 512, device, dtype)
+            if "train" in parts:
+                rows += bench_training("tiny", TINY, None, 256, 64, device, dtype, repeats=2)
+                rows += bench_training("qwen2.5-0.5b shape, 1 of 24 layers", QWEN25_05B, 1, 32, 16, device, dtype,
+                                       repeats=1)
+            if "chunks" in parts:
+                rows += bench_chunks(32, (2, 4, 8), device, dtype)
+            if "prefill" in parts:
+                rows += bench_prefill((512, 2048, 8192), 512, device, dtype)
+            if "stand-in" in parts:
+                rows += bench_stand_in((1024,), repeats=3)
         else:
-            rows += bench_training("tiny", TINY, None, 4096, 512, device, dtype, repeats=3)
-            rows += bench_training("qwen2.5-0.5b shape", QWEN25_05B, None, 512, 128, device, dtype, repeats=2)
-            rows += bench_chunks(512, (2, 4, 8), device, dtype)
-            rows += bench_prefill((8192, 32768, 131072), 4096, device, dtype)
+            if "train" in parts:
+                rows += bench_training("tiny", TINY, None, 4096, 512, device, dtype, repeats=3)
+                rows += bench_training("qwen2.5-0.5b shape", QWEN25_05B, None, 512, 128, device, dtype, repeats=2)
+            if "chunks" in parts:
+                rows += bench_chunks(512, (2, 4, 8), device, dtype)
+            if "prefill" in parts:
+                rows += bench_prefill((8192, 32768, 131072) + ((1 << 20,) if args.long else ()), 4096, device, dtype)
+            if "stand-in" in parts:
+                rows += bench_stand_in((1024, 4096), repeats=5)
 
     print_table(rows)
     summary = summarise(rows, "seconds" if device.type == "cuda" else "cpu_seconds")

@@ -4,6 +4,7 @@ Known answers come from the base model itself (an untrained MAG must equal it bi
 written here with the public modules, and from the model fed the same tokens in other pieces.
 """
 
+import contextlib
 import json
 
 import pytest
@@ -544,3 +545,36 @@ def test_inputs_embeds_equal_input_ids(tiny_qwen3_dir):
         model(batch, inputs_embeds=embeds)
     with pytest.raises(ValueError, match=r"inputs_embeds must be a \[batch, tokens >= 1, 64\] float tensor"):
         model(inputs_embeds=embeds[..., :10])
+
+
+@pytest.mark.parametrize("variant", ["mag", "mal"])
+def test_layer_major_stream_equals_the_chunk_loop(tiny_qwen3_dir, variant):
+    """Chunk-local attention without a cache runs layer by layer over all chunks at once (`_stream_layer_major`);
+    it must give what the chunk loop gives: logits, predictions, per-layer hidden states and gradients, with left
+    padding, an unfinished last chunk and segments of two chunks (three segments here)."""
+    vocab = AutoConfig.from_pretrained(tiny_qwen3_dir).vocab_size
+    ids = random_ids(vocab, (3, 37), seed=8)
+    mask = torch.ones_like(ids)
+    mask[1, :16] = 0  # two whole chunks of padding: one batch with the other rows
+    labels = ids.masked_fill(mask == 0, -100)
+    runs = []
+    for layer_major in (True, False):
+        model = build(tiny_qwen3_dir, variant=variant, attend_previous_chunk=False, checkpoint_chunks=False).train()
+        model.LAYER_MAJOR_TOKENS = 16
+        with contextlib.nullcontext() if layer_major else model.chunk_by_chunk():
+            assert model._runs_layer_major(37, None, False) == layer_major
+            out = model(ids, attention_mask=mask, labels=labels, logits_to_keep=37, return_predictions=True,
+                        output_hidden_states=True)
+        out.loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        runs.append((out, grads))
+    (fast, fast_grads), (loop, loop_grads) = runs
+    real = mask.bool()
+    torch.testing.assert_close(fast.logits[real], loop.logits[real], atol=1e-6, rtol=1e-5)
+    assert torch.equal(fast.label_predictions, loop.label_predictions)
+    torch.testing.assert_close(fast.loss, loop.loss, atol=1e-6, rtol=1e-6)
+    for fast_hidden, loop_hidden in zip(fast.hidden_states, loop.hidden_states, strict=True):
+        torch.testing.assert_close(fast_hidden[real], loop_hidden[real], atol=1e-6, rtol=1e-5)
+    assert fast_grads.keys() == loop_grads.keys() and fast_grads
+    for name, grad in fast_grads.items():
+        torch.testing.assert_close(grad, loop_grads[name], atol=1e-6, rtol=1e-5)

@@ -160,7 +160,8 @@ def diagnose_memory(model, tokenizer, rows: Sequence[Mapping[str, str]], task: s
             fact_mask = _fact_token_mask(row, spans, tokenizer, len(ids)).to(model.device)
             calls, handles = _record_calls(model)
             try:
-                model(input_ids=torch.tensor([ids, other_ids], device=model.device), logits_to_keep=1)
+                with model.chunk_by_chunk():  # one memory call, one recorded state, per chunk
+                    model(input_ids=torch.tensor([ids, other_ids], device=model.device), logits_to_keep=1)
             finally:
                 for handle in handles:
                     handle.remove()

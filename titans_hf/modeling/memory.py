@@ -507,9 +507,13 @@ class NeuralMemory(nn.Module):
         sizes = [n * C for n in groups] + ([N - n_full * C] if N > n_full * C else [])
         # cut with `split`: one backward node, where slicing zero-fills one full-size gradient per slice
         rows = lambda t: t.reshape(BH, *t.shape[2:]).split(sizes, dim=1)  # noqa: E731
-        q_parts = rows(F.pad(q, (0, 0, r, 0)))  # r placeholder queries: those tokens were read last call
-        k_parts, v_parts, lr2_parts = rows(k), rows(v), rows(2 * lr)
+        q = F.pad(q, (0, 0, r, 0))  # r placeholder queries: those tokens were read last call
+        q_parts, k_parts, v_parts, lr2_parts = rows(q), rows(k), rows(v), rows(2 * lr)
         fused, L = isinstance(self.model, ExplicitMemoryModel), len(self.initial_weights)
+        qk_parts = None
+        if fused and m == 1 and n_full:  # every whole chunk one fused step: its [q; k] block, all cut at once
+            whole = lambda t: t.reshape(BH, N, d)[:, :n_full * C].view(BH, n_full, C, d)  # noqa: E731
+            qk_parts = torch.cat([whole(q), whole(k)], dim=2).unbind(1)
 
         # the memory's own arithmetic stays in the state dtype even under autocast (bf16 inner gradients and
         # updates lose the small steps that accumulate into what it remembers)
@@ -520,11 +524,16 @@ class NeuralMemory(nn.Module):
             reads, chunk = [], 0
             for g, n in enumerate(groups):
                 if fused and n == 1 and grad_point is weights:  # the paper's rule: reads and surprise share W_{j-1}
-                    out = _ChunkStep.apply(self.model, self.max_surprise_norm, *weights, *momentum,
-                                           torch.cat([q_parts[g], k_parts[g]], 1), v_parts[g], lr2_parts[g],
-                                           etas[chunk], keeps[chunk])
-                    reads.append(out[0])
-                    weights, momentum = _keep_rows_without_tokens(out[1:L + 1], out[L + 1:], weights, momentum,
+                    inputs = (*weights, *momentum, qk_parts[g] if qk_parts else torch.cat([q_parts[g], k_parts[g]], 1),
+                              v_parts[g], lr2_parts[g], etas[chunk], keeps[chunk])
+                    if torch.is_grad_enabled():
+                        out = _ChunkStep.apply(self.model, self.max_surprise_norm, *inputs)
+                        read, new_weights, new_momentum = out[0], out[1:L + 1], out[L + 1:]
+                    else:
+                        read, new_weights, new_momentum = _ChunkStep.step(self.model, self.max_surprise_norm,
+                                                                          *inputs)[:3]
+                    reads.append(read)
+                    weights, momentum = _keep_rows_without_tokens(new_weights, new_momentum, weights, momentum,
                                                                   valids[chunk])
                 else:
                     split = lambda t: t.unflatten(1, (n, C))  # noqa: E731
@@ -630,20 +639,30 @@ class _ChunkStep(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, model: ExplicitMemoryModel, clip: float | None, *tensors: Tensor) -> tuple[Tensor, ...]:
+    def step(model: ExplicitMemoryModel, clip: float | None, *tensors: Tensor
+             ) -> tuple[Tensor, list[Tensor], list[Tensor], Tensor, list[Tensor], Tensor | None, Tensor | None]:
+        """The forward arithmetic: ``(read, W_new, S_new, err, G, ||G||, scale)`` (the last two None without a
+        clip). Called directly where no gradient is wanted (no autograd node to build or inputs to save)."""
         L = len(model.shapes)
         W, S = tensors[:L], tensors[L:2 * L]
         qk, values, lr2, eta, keep = tensors[2 * L:]
-        C = values.shape[1]
-        reads, err, grads = model.inner_gradient(W, qk, values, lr2, C)
+        reads, err, grads = model.inner_gradient(W, qk, values, lr2, values.shape[1])
         norm = scale = None
         if clip is not None:
             norm = _dots(grads, grads).sqrt_()
-            scale = clip / norm.clamp(min=clip)
+            scale = norm.clamp(min=clip).reciprocal_().mul_(clip)  # clip / max(||G||, clip)
             new_S = [torch.addcmul(eta * s, scale, g, value=-1) for s, g in zip(S, grads)]
         else:
             new_S = [torch.sub(eta * s, g) for s, g in zip(S, grads)]
         new_W = [torch.addcmul(s, keep, w) for w, s in zip(W, new_S)]
+        return reads, new_W, new_S, err, grads, norm, scale
+
+    @staticmethod
+    def forward(ctx, model: ExplicitMemoryModel, clip: float | None, *tensors: Tensor) -> tuple[Tensor, ...]:
+        L = len(model.shapes)
+        reads, new_W, new_S, err, grads, norm, scale = _ChunkStep.step(model, clip, *tensors)
+        W, S = tensors[:L], tensors[L:2 * L]
+        qk, _, lr2, eta, keep = tensors[2 * L:]
         ctx.model, ctx.clip = model, clip
         ctx.save_for_backward(*W, *S, qk, lr2, eta, keep, err,
                               *((*grads, norm, scale) if clip is not None else ()))

@@ -4,6 +4,10 @@ information across chunks.
 Attention reaches at most one chunk back (`attend_previous_chunk`, the default; without it, not across a chunk
 boundary at all), and positions stay within two chunks, so the backbone runs on the lengths it was trained on
 whatever the input length; the memory is the only path further back.
+Two orders compute the same stream: chunk by chunk (`_stream`: every layer of a chunk, then the next chunk; what a
+cache, the previous chunk's keys, prefix tokens and per-chunk checkpointing need) and, where chunks attend only to
+themselves, layer by layer (`_stream_layer_major`: each layer once over all chunks as one batch, each memory once over
+the tokens in order), which makes far fewer and larger calls when chunks are small.
 The backbone's modules are used as loaded, under their own state-dict keys (`model.*`, `lm_head.*`); the memory
 layers (`memory.<layer>.*`, one `titans_hf.modeling.variants` block each) and persistent tokens are the rest.
 
@@ -254,6 +258,8 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # tokens the layer-major stream runs through each layer at once (`_stream_layer_major`)
+    LAYER_MAJOR_TOKENS = 8192
     _is_stateful = True  # the memory cannot roll back, so assisted decoding is refused
 
     def __init__(self, config: TitansQwenConfig, backbone: PreTrainedModel | None = None):
@@ -273,6 +279,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         if memory.num_persistent_tokens:
             self.persistent_tokens = _persistent_tokens(config)
         self._memory_enabled = True
+        self._layer_major_enabled = True
         self.post_init()
         self._apply_freeze_base()
 
@@ -541,6 +548,18 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         finally:
             self._memory_enabled = previous
 
+    @contextlib.contextmanager
+    def chunk_by_chunk(self) -> Iterator["TitansQwenForCausalLM"]:
+        """Always the chunk loop (`_stream`), never the layer-major order it would otherwise take where chunks
+        attend only to themselves: the same results, with each memory called once per chunk (what hooks that
+        record the memory's state after every chunk need)."""
+        previous = self._layer_major_enabled
+        self._layer_major_enabled = False
+        try:
+            yield self
+        finally:
+            self._layer_major_enabled = previous
+
     # ---- forward ----
 
     def _check_input_ids(self, input_ids: Tensor | None) -> None:
@@ -603,15 +622,31 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
     def init_memory_states(self, batch_size: int, device: torch.device | None = None) -> dict[int, MemoryState]:
         return {int(layer): block.neural_memory.init_state(batch_size, device) for layer, block in self.memory.items()}
 
-    def _attention_masks(self, hidden: Tensor, attention_mask: Tensor | None, cache: TitansCache | None,
-                         position_ids: Tensor) -> dict:
+    def _chunk_geometry(self, hidden: Tensor, attention_mask: Tensor | None, attention_cache: DynamicCache | None,
+                        past: int, reuse: dict | None) -> tuple[Tensor, dict, tuple[Tensor, Tensor]]:
+        """(position ids, attention masks by layer type, RoPE's cos and sin) of a piece whose queries sit at positions
+        `past` .. behind `past` keys. Without padding they depend only on the shapes, so they are built once per shape
+        and kept in `reuse` (one dict per stream) for every chunk after: building them costs as much as a small
+        chunk's attention. A boolean mask is kept as the additive float mask SDPA turns it into (0 / -inf), so that
+        conversion is not paid at every layer either."""
+        key = (past, *hidden.shape[:2], hidden.dtype, hidden.device)
+        if attention_mask is None and reuse is not None and key in reuse:
+            return reuse[key]
         text = self.config.text_config
-        kwargs = dict(config=text, inputs_embeds=hidden, attention_mask=attention_mask, cache=cache,
+        position_ids = torch.arange(past, past + hidden.shape[1], device=hidden.device).unsqueeze(0)
+        kwargs = dict(config=text, inputs_embeds=hidden, attention_mask=attention_mask, cache=attention_cache,
                       position_ids=position_ids)
         masks = {"full_attention": create_causal_mask(**kwargs)}
         if "sliding_attention" in text.layer_types:
             masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
-        return masks
+        geometry = (position_ids, masks, self.model.rotary_emb(hidden, position_ids))
+        if attention_mask is None and reuse is not None:
+            # no padding: every query sees at least itself, so no row of the float mask is all -inf
+            masks.update({kind: torch.zeros(mask.shape, dtype=hidden.dtype, device=mask.device).masked_fill_(
+                ~mask, float("-inf")) for kind, mask in masks.items()
+                if isinstance(mask, Tensor) and mask.dtype == torch.bool})
+            reuse[key] = geometry
+        return geometry
 
     def _chunk_prefix(self, states: dict[int, MemoryState], batch_size: int) -> Tensor | None:
         """What goes in front of a chunk: persistent tokens, then each memory block's prefix tokens (or None)."""
@@ -652,6 +687,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         predict: bool = False,
         previous: PreviousChunk | None = None,
         hidden_states: bool = False,
+        geometry: dict | None = None,
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None, dict[int, MemoryState], PreviousChunk | None,
                tuple[Tensor, ...] | None]:
         """Run tokens (ids [B, T], or embeddings [B, T, hidden]) that lie inside one chunk through the base's own
@@ -659,9 +695,10 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         over labelled positions or None, with `predict` the greedy next token and the loss of every position or
         None, new memory states, without a cache but with `previous` (attend_previous_chunk) this chunk's keys,
         values and mask for the next chunk, with `hidden_states` the embeddings and every layer's output, the last
-        one normed, as a Qwen model returns them). Kept separate so it can be checkpointed as one unit, so every
-        input is an argument (`enabled` too: the recomputation in backward may run after `memory_disabled()` has
-        exited) and no cache is changed in it but the decoding one."""
+        one normed, as a Qwen model returns them). `geometry` keeps the masks and positions built for one shape for
+        the next chunks of the stream (see `_chunk_geometry`). Kept separate so it can be checkpointed as one unit,
+        so every input is an argument (`enabled` too: the recomputation in backward may run after `memory_disabled()`
+        has exited) and no cache is changed in it but the decoding one."""
         batch_size, length = inputs.shape[:2]
         hidden = inputs if inputs.is_floating_point() else self.model.embed_tokens(inputs)
         prefix = self._chunk_prefix(states, batch_size) if starts_chunk and enabled else None
@@ -687,9 +724,8 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
                 attention_mask = None
         else:
             attention_mask, past = self._chunk_attention_mask(mask, cache, batch_size, hidden.shape[1], hidden.device)
-        position_ids = torch.arange(past, past + hidden.shape[1], device=hidden.device).unsqueeze(0)
-        masks = self._attention_masks(hidden, attention_mask, attention_cache, position_ids)
-        position_embeddings = self.model.rotary_emb(hidden, position_ids)
+        position_ids, masks, position_embeddings = self._chunk_geometry(hidden, attention_mask, attention_cache, past,
+                                                                        geometry)
 
         new_states = dict(states)
         layer_types = self.config.text_config.layer_types
@@ -709,7 +745,22 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         if all_hidden is not None:
             all_hidden[-1] = hidden
 
+        logits, loss_sum, per_token = self._head(hidden, shifted_labels, keep_from, predict)
+        current = None
+        if previous is not None:
+            current = PreviousChunk(
+                [(layer.keys[:, :, past:], layer.values[:, :, past:]) for layer in attention_cache.layers],
+                None if attention_mask is None else as_previous_chunk_mask(attention_mask[:, past:], num_prefix),
+            )
+        return logits, loss_sum, per_token, new_states, current, None if all_hidden is None else tuple(all_hidden)
+
+    def _head(self, hidden: Tensor, shifted_labels: Tensor | None, keep_from: int, predict: bool
+              ) -> tuple[Tensor | None, Tensor | None, tuple[Tensor, Tensor] | None]:
+        """What the LM head makes of one chunk's normed hidden states: (logits of positions >= keep_from or None,
+        summed loss over labelled positions or None, with `predict` the greedy next token and loss of every
+        position)."""
         logits = loss_sum = per_token = None
+        length = hidden.shape[1]
         if shifted_labels is not None:
             all_logits = self.lm_head(hidden)
             token_losses = F.cross_entropy(all_logits.float().flatten(0, 1), shifted_labels.flatten(),
@@ -723,13 +774,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
                 logits = all_logits[:, keep_from:]
         elif keep_from < length:
             logits = self.lm_head(hidden[:, keep_from:])
-        current = None
-        if previous is not None:
-            current = PreviousChunk(
-                [(layer.keys[:, :, past:], layer.values[:, :, past:]) for layer in attention_cache.layers],
-                None if attention_mask is None else as_previous_chunk_mask(attention_mask[:, past:], num_prefix),
-            )
-        return logits, loss_sum, per_token, new_states, current, None if all_hidden is None else tuple(all_hidden)
+        return logits, loss_sum, per_token
 
     def forward(
         self,
@@ -909,10 +954,15 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         use_checkpoint = (memory.checkpoint_chunks and self.training and torch.is_grad_enabled()
                           and cache is None)
 
+        if self._runs_layer_major(length, cache, use_checkpoint):
+            return self._stream_layer_major(inputs, token_mask, shifted_labels, states, keep_start, predict,
+                                            hidden_states)
+
         window = memory.attend_previous_chunk
         # without a cache, the previous chunk's keys travel from piece to piece (with one, the cache holds them)
         previous = PreviousChunk([], None) if window and cache is None else None
         all_logits, per_token, all_hidden, loss_sum, start = [], [], [], None, 0
+        geometry: dict = {}  # masks and positions by shape, shared by the chunks of this stream
         while start < length:
             position = seen + start
             end = min(length, start + chunk_size - position % chunk_size)
@@ -936,6 +986,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
                 predict,
                 previous,
                 hidden_states,
+                geometry,
             )
             if use_checkpoint:
                 logits, piece_loss, piece_tokens, states, current, piece_hidden = checkpoint(
@@ -959,6 +1010,92 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         if cache is not None:
             cache.memory_states = states
             cache.seen_tokens = seen + length
+        join = lambda parts: parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # noqa: E731
+        return (
+            join(all_logits) if all_logits else None,
+            loss_sum,
+            (join([g for g, _ in per_token]), join([t for _, t in per_token])) if per_token else None,
+            tuple(join(layer) for layer in zip(*all_hidden)) if all_hidden else None,
+        )
+
+    def _runs_layer_major(self, length: int, cache: TitansCache | None, use_checkpoint: bool) -> bool:
+        """Whether `_stream_layer_major` computes this stream: chunks that attend only to themselves (no previous
+        chunk, no prefix tokens), no cache, no per-chunk checkpointing or truncated BPTT, more than one chunk, and
+        not inside `chunk_by_chunk()`."""
+        memory = self.config.memory_config
+        return (self._layer_major_enabled and cache is None and not use_checkpoint and not memory.attend_previous_chunk
+                and not memory.bptt_chunks
+                and length > memory.chunk_size and not hasattr(self, "persistent_tokens")
+                and all(type(block).prefix_tokens is TitansMemoryBlock.prefix_tokens for block in self.memory.values()))
+
+    def _stream_layer_major(
+        self,
+        inputs: Tensor,
+        token_mask: Tensor | None,
+        shifted_labels: Tensor | None,
+        states: dict[int, MemoryState],
+        keep_start: int,
+        predict: bool,
+        hidden_states: bool,
+    ) -> tuple[Tensor | None, Tensor | None, tuple[Tensor, Tensor] | None, tuple[Tensor, ...] | None]:
+        """`_stream` where no chunk sees another through attention (see `_runs_layer_major`), layer by layer instead
+        of chunk by chunk: each decoder layer runs once on all chunks of a segment as rows of one batch, each memory
+        block once over the segment's tokens in order (a memory reads only its own layer's inputs or outputs, and
+        feeding it a segment at once equals feeding it chunk by chunk). The same arithmetic as the chunk loop with
+        far fewer, larger calls. Segments hold at most `LAYER_MAJOR_TOKENS` tokens (at least one chunk), which bounds
+        the activations an inference holds at once."""
+        batch_size, length = inputs.shape[:2]
+        chunk_size = self.config.memory_config.chunk_size
+        layer_types = self.config.text_config.layer_types
+        segment = chunk_size * max(1, self.LAYER_MAJOR_TOKENS // chunk_size)
+        geometry: dict = {}
+        all_logits, per_token, all_hidden, loss_sum = [], [], [], None
+        for start in range(0, length, segment):
+            end = min(length, start + segment)
+            hidden = inputs[:, start:end]
+            hidden = hidden if hidden.is_floating_point() else self.model.embed_tokens(hidden)
+            mask = None if token_mask is None else token_mask[:, start:end]
+            # the whole chunks as rows of one batch, the unfinished last chunk (if any) as a batch of its own
+            whole = (end - start) // chunk_size * chunk_size
+            pieces = []  # (first, stop, rows, (position ids, masks, RoPE)) of each batch
+            for first, stop, rows in ((0, whole, batch_size * (whole // chunk_size)), (whole, end - start, batch_size)):
+                if stop > first:
+                    width = (stop - first) * batch_size // rows
+                    piece_mask = None if mask is None else mask[:, first:stop].reshape(rows, width)
+                    pieces.append((first, stop, rows, self._chunk_geometry(hidden.new_empty(rows, width, 0),
+                                                                           piece_mask, None, 0, geometry)))
+            segment_hidden = [hidden] if hidden_states else None
+            for index, decoder_layer in enumerate(self.model.layers):
+                def layer(h: Tensor, decoder_layer=decoder_layer, kind=layer_types[index]) -> Tensor:
+                    outs = []
+                    for first, stop, rows, (position_ids, masks, position_embeddings) in pieces:
+                        out = decoder_layer(h[:, first:stop].reshape(rows, -1, h.shape[-1]), attention_mask=masks[kind],
+                                            position_ids=position_ids, position_embeddings=position_embeddings)
+                        outs.append(out.reshape(batch_size, stop - first, -1))
+                    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+                block = self.memory[str(index)] if self._memory_enabled and str(index) in self.memory else None
+                if block is None:
+                    hidden = layer(hidden)
+                else:
+                    hidden, states[index] = block(layer, hidden, states[index], mask, 0)
+                if segment_hidden is not None:
+                    segment_hidden.append(hidden)
+            hidden = self.model.norm(hidden)
+            if segment_hidden is not None:
+                segment_hidden[-1] = hidden
+                all_hidden.append(segment_hidden)
+            for piece in range(start, end, chunk_size):  # the head chunk by chunk: never [T, vocab] logits at once
+                stop = min(end, piece + chunk_size)
+                labels = None if shifted_labels is None else shifted_labels[:, piece:stop]
+                logits, piece_loss, piece_tokens = self._head(hidden[:, piece - start:stop - start], labels,
+                                                              max(0, keep_start - piece), predict)
+                if logits is not None:
+                    all_logits.append(logits)
+                if piece_tokens is not None:
+                    per_token.append(piece_tokens)
+                if piece_loss is not None:
+                    loss_sum = piece_loss if loss_sum is None else loss_sum + piece_loss
         join = lambda parts: parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # noqa: E731
         return (
             join(all_logits) if all_logits else None,
