@@ -32,7 +32,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, Generation
 from transformers import initialization as init
 from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from titans_hf.hub import (
     MEMORY_WEIGHTS_NAME,
@@ -216,6 +216,88 @@ class TitansCache(DynamicCache):
         rows = self._rows()
         if rows is not None:
             self._select_rows(torch.arange(rows).repeat_interleave(repeats))
+
+
+# what a padding-free (packed) batch carries instead of an attention mask: several documents in one row
+PACKED_BATCH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+class TitansBackbone(nn.Module):
+    """The decoder of a `TitansQwenForCausalLM` as code that reaches for `model.base_model` or `model.get_decoder()`
+    calls it (TRL's fused LM head: backbone, then the LM head tile by tile): calling it runs the model's chunk loop,
+    the memory included (or switched off, with `memory=False`), and returns the last hidden state, normed, before
+    the LM head. Every other attribute (`layers`, `embed_tokens`, `get_input_embeddings`, `config`, ...) is the
+    Qwen backbone's. A view, made on each access: it owns no parameters and is no submodule of the model."""
+
+    def __init__(self, model: "TitansQwenForCausalLM", memory: bool = True):
+        super().__init__()
+        self.__dict__["_titans"], self.__dict__["_memory"] = model, memory  # not registered as a submodule
+
+    def __getattr__(self, name: str) -> Any:
+        titans = self.__dict__.get("_titans")
+        if titans is None:
+            raise AttributeError(name)
+        return getattr(titans.model, name)
+
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: Tensor | None = None,
+                inputs_embeds: torch.FloatTensor | None = None, position_ids: Tensor | None = None,
+                use_cache: bool | None = None, **kwargs: Any) -> BaseModelOutputWithPast:
+        """`last_hidden_state` [batch, tokens, hidden] of the chunk loop over the whole input (positions restart
+        every chunk; `position_ids` are only checked). A packed (padding-free) batch is refused: its documents
+        would share one stream of chunks and one memory."""
+        if use_cache:
+            raise ValueError("base_model / get_decoder() of a TitansQwenForCausalLM run without a cache; generate "
+                             "with the model itself")
+        packed = [key for key in PACKED_BATCH_KWARGS if kwargs.get(key) is not None]
+        if packed or (position_ids is not None and _restarts_inside_rows(position_ids, attention_mask)):
+            raise ValueError("TitansQwenForCausalLM reads each row as one stream through its memory: packed / "
+                             f"padding-free batches (position_ids restarting inside a row{', ' if packed else ''}"
+                             f"{', '.join(packed)}) are not supported; use padding (e.g. TRL's padding_free=False, "
+                             "packing=False)")
+        titans = self._titans
+        context = contextlib.nullcontext() if self._memory else titans.memory_disabled()
+        with context:
+            # the class's forward: this view is called from inside the model's own (possibly patched) forward
+            outputs = type(titans).forward(titans, input_ids=input_ids, attention_mask=attention_mask,
+                                           inputs_embeds=inputs_embeds, output_hidden_states=True)
+        return BaseModelOutputWithPast(last_hidden_state=outputs.hidden_states[-1])
+
+
+def _restarts_inside_rows(position_ids: Tensor, attention_mask: Tensor | None) -> bool:
+    """Whether positions fall back to an earlier value between two real tokens of a row (documents packed)."""
+    real = torch.ones_like(position_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    restarts = (position_ids[:, 1:] <= position_ids[:, :-1]) & real[:, 1:] & real[:, :-1]
+    return bool(restarts.any())
+
+
+class TitansMemoryOffReference(nn.Module):
+    """The frozen base run chunk by chunk (the memory switched off) as a reference model for TRL's DPO / GRPO, on
+    the policy's own weights: no second copy loads. It owns no parameters and no submodules; calls run without
+    gradients. Made by `TitansQwenForCausalLM.memory_off_reference()`."""
+
+    def __init__(self, model: "TitansQwenForCausalLM"):
+        super().__init__()
+        self.__dict__["policy"] = model  # not registered: the reference holds nothing to train, cast or shard
+        self.config = model.config
+
+    @property
+    def base_model(self) -> TitansBackbone:
+        return TitansBackbone(self.policy, memory=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.policy.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.policy.dtype
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.policy.get_output_embeddings()
+
+    def forward(self, *args: Any, **kwargs: Any) -> "TitansCausalLMOutput":
+        with torch.no_grad(), self.policy.memory_disabled():
+            return self.policy(*args, **kwargs)
 
 
 class TitansQwenPreTrainedModel(PreTrainedModel):
@@ -539,6 +621,38 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
             yield self
         finally:
             self._memory_enabled = previous
+
+    # ---- what trainers reach for inside the model (TRL) ----
+
+    @property
+    def base_model(self) -> nn.Module:
+        """The decoder as the memory makes it (`TitansBackbone`): `model.base_model(...)` and
+        `model.get_decoder()(...)` run the chunk loop with the memory, as `forward` does, never the bare Qwen."""
+        if "model" not in self._modules:  # still being built
+            return self
+        return TitansBackbone(self)
+
+    def get_decoder(self) -> nn.Module:
+        return self.base_model
+
+    def memory_off_reference(self) -> TitansMemoryOffReference:
+        """This model with its memory switched off (the frozen base, chunk by chunk), on the same weights: pass it
+        as TRL's `ref_model` to DPO / GRPO so that no second model loads."""
+        return TitansMemoryOffReference(self)
+
+    # ---- activation checkpointing ----
+
+    gradient_checkpointing = False  # set by (gradient|activation)_checkpointing_enable: checkpoint every chunk
+
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func: Callable = checkpoint,
+                                    every_n_layers: int = 1) -> None:
+        """What `activation_checkpointing_enable` / `gradient_checkpointing_enable` (and a Trainer or TRL with
+        `gradient_checkpointing=True`) turn on: each chunk is recomputed in backward as one unit, memory update
+        included, the same recomputation as `memory_config.checkpoint_chunks`. The decoder layers' own checkpointing
+        stays off: it drops the cache that carries the previous chunk's keys (attend_previous_chunk) and would
+        replay its writes. The chunk unit is always checkpointed without re-entrance, whatever
+        `gradient_checkpointing_func` and `every_n_layers` say."""
+        self.gradient_checkpointing = enable
 
     # ---- forward ----
 
@@ -905,8 +1019,8 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         seen = cache.seen_tokens if cache is not None else 0
         memory = self.config.memory_config
         chunk_size, bptt = memory.chunk_size, memory.bptt_chunks
-        use_checkpoint = (memory.checkpoint_chunks and self.training and torch.is_grad_enabled()
-                          and cache is None)
+        use_checkpoint = ((memory.checkpoint_chunks or self.gradient_checkpointing) and self.training
+                          and torch.is_grad_enabled() and cache is None)
 
         window = memory.attend_previous_chunk
         # without a cache, the previous chunk's keys travel from piece to piece (with one, the cache holds them)
@@ -982,4 +1096,11 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         model_kwargs["cache"] = TitansCache(self.config)
 
 
-__all__ = ["TitansCache", "TitansCausalLMOutput", "TitansQwenForCausalLM", "TitansQwenPreTrainedModel"]
+__all__ = [
+    "TitansBackbone",
+    "TitansCache",
+    "TitansCausalLMOutput",
+    "TitansMemoryOffReference",
+    "TitansQwenForCausalLM",
+    "TitansQwenPreTrainedModel",
+]
