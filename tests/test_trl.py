@@ -203,3 +203,153 @@ def test_sft_trainer_trains_the_memory_and_saves_it(tiny_qwen3_dir, tmp_path):
     reloaded = TitansQwenForCausalLM.from_pretrained(tmp_path / "saved")
     for name, value in model.memory_state_dict().items():
         assert torch.equal(reloaded.memory_state_dict()[name], value)
+
+
+# ---- DPO ----
+
+
+def preference_rows(count: int) -> datasets.Dataset:
+    stories = texts(count, seed=1)
+    return datasets.Dataset.from_dict({
+        "prompt": [f"{story} Where is Mary? Answer:" for story in stories],
+        "chosen": [" kitchen" for _ in stories],
+        "rejected": [" garden" for _ in stories],
+    })
+
+
+def test_dpo_trainer_with_the_memory_off_reference(tiny_qwen3_dir, tmp_path):
+    """DPO against `memory_off_reference()` (the base chunk by chunk, on the policy's own weights): the memory
+    trains, the reference is called without gradients, no second model is loaded."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    model = memory_model(tiny_qwen3_dir)
+    base_before, memory_before, calls = base_weights(model), memory_weights(model), MemoryCalls(model)
+    args = trl_args(trl.DPOConfig, tmp_path / "dpo", gradient_checkpointing=True, max_length=64, beta=0.5)
+    trainer = trl.DPOTrainer(model=model, ref_model=model.memory_off_reference(), args=args,
+                             train_dataset=preference_rows(4), processing_class=tokenizer)
+    assert not any(True for _ in trainer.ref_model.parameters()), "the reference must hold no weights of its own"
+    trainer.train()
+    assert_trained_exactly_the_memory(model, base_before, memory_before, calls, trainer)
+    assert calls.other == 0, "the memory-off reference ran the memory"
+    assert any("rewards/margins" in entry for entry in trainer.state.log_history)
+
+
+def test_dpo_trainer_without_ref_model_loads_the_named_base(tiny_qwen3_dir, tmp_path):
+    """`ref_model=None`: TRL loads the model `config.name_or_path` names, which `from_base` sets to the base."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    model = memory_model(tiny_qwen3_dir)
+    assert model.config.name_or_path == str(tiny_qwen3_dir)
+    base_before, memory_before, calls = base_weights(model), memory_weights(model), MemoryCalls(model)
+    args = trl_args(trl.DPOConfig, tmp_path / "dpo", max_length=64)
+    trainer = trl.DPOTrainer(model=model, args=args, train_dataset=preference_rows(4), processing_class=tokenizer)
+    assert type(trainer.ref_model).__name__ == "Qwen3ForCausalLM"
+    trainer.train()
+    assert_trained_exactly_the_memory(model, base_before, memory_before, calls, trainer)
+
+
+# ---- GRPO ----
+
+
+def test_grpo_trainer_generates_and_scores_through_the_memory(tiny_qwen3_dir, tmp_path):
+    """GRPO on prompts of mixed lengths (left padding): generation runs the memory (without gradients), the loss
+    runs it with gradients, and exactly the memory trains."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    model = memory_model(tiny_qwen3_dir)
+    open_memory(model)  # rewards must differ within a group for a non-zero advantage: sample from a moved model
+    base_before, memory_before, calls = base_weights(model), memory_weights(model), MemoryCalls(model)
+    prompts = [story + " Where is Mary? Answer:" for story in texts(4, seed=2)]
+    assert len({len(tokenizer(prompt).input_ids) for prompt in prompts}) > 1, "prompts of one length"
+
+    def reward(completion_ids, **kwargs) -> list[float]:  # any reward that differs between sampled completions
+        return [float(sum(token % 5 for token in ids)) for ids in completion_ids]
+
+    args = trl_args(trl.GRPOConfig, tmp_path / "grpo", num_generations=2, max_completion_length=4,
+                    gradient_checkpointing=True, temperature=1.5)
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=args,
+                              train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
+                              processing_class=tokenizer)
+    trainer.train()
+    assert calls.other > 0, "generation never ran the memory"
+    assert_trained_exactly_the_memory(model, base_before, memory_before, calls, trainer)
+
+
+# ---- titans_hf.training.trl_trainers: resume, references without a second model ----
+
+
+def test_titans_sft_trainer_resumes_exactly(tiny_qwen3_dir, tmp_path):
+    """4 steps in one run == 2 steps, a memory-only checkpoint, and 2 more resumed from it (bitwise)."""
+    from titans_hf.training.trl_trainers import TitansSFTTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    rows = datasets.Dataset.from_dict({"text": texts(8)})
+
+    def run(output_dir, max_steps, resume=None):
+        model = memory_model(tiny_qwen3_dir)
+        args = trl_args(trl.SFTConfig, output_dir, max_steps=4, save_strategy="steps", save_steps=2,
+                        max_length=64, gradient_checkpointing=True)
+        trainer = TitansSFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer)
+        if max_steps < 4:  # stop after the checkpoint, as an interrupted run does
+            trainer.add_callback(StopAt(max_steps))
+        trainer.train(resume_from_checkpoint=resume)
+        return model
+
+    whole = run(tmp_path / "whole", 4)
+    run(tmp_path / "cut", 2)
+    checkpoint = tmp_path / "cut" / "checkpoint-2"
+    assert (checkpoint / MEMORY_WEIGHTS_NAME).is_file() and not (checkpoint / "model.safetensors").exists()
+    resumed = run(tmp_path / "cut", 4, resume=str(checkpoint))
+    for name, value in whole.memory_state_dict().items():
+        assert torch.equal(resumed.memory_state_dict()[name], value), name
+    assert any(not torch.equal(value, memory_model(tiny_qwen3_dir).memory_state_dict()[name])
+               for name, value in whole.memory_state_dict().items())
+
+
+class StopAt(__import__("transformers").TrainerCallback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+
+
+def test_titans_dpo_trainer_defaults_to_the_memory_off_reference(tiny_qwen3_dir, tmp_path):
+    from titans_hf.modeling.modeling_titans_qwen import TitansMemoryOffReference
+    from titans_hf.training.trl_trainers import TitansDPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    model = memory_model(tiny_qwen3_dir)
+    base_before, memory_before, calls = base_weights(model), memory_weights(model), MemoryCalls(model)
+    args = trl_args(trl.DPOConfig, tmp_path / "dpo", max_length=64)
+    trainer = TitansDPOTrainer(model=model, args=args, train_dataset=preference_rows(4), processing_class=tokenizer)
+    assert isinstance(trainer.ref_model, TitansMemoryOffReference) and trainer.ref_model.policy is model
+    trainer.train()
+    assert_trained_exactly_the_memory(model, base_before, memory_before, calls, trainer)
+    with pytest.raises(ValueError, match="sync_ref_model"):
+        TitansDPOTrainer(model=model, args=trl_args(trl.DPOConfig, tmp_path / "sync", sync_ref_model=True),
+                         train_dataset=preference_rows(2), processing_class=tokenizer)
+
+
+def test_titans_grpo_trainer_kl_against_the_memory_off_reference(tiny_qwen3_dir, tmp_path):
+    """beta > 0: the KL term is taken against the memory-off model; at step 1 (policy == its init, and the MAG
+    memory's output starts at zero) it is exactly 0, then the memory moves the policy away from it."""
+    from titans_hf.modeling.modeling_titans_qwen import TitansMemoryOffReference
+    from titans_hf.training.trl_trainers import TitansGRPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    model = memory_model(tiny_qwen3_dir)
+    base_before, memory_before, calls = base_weights(model), memory_weights(model), MemoryCalls(model)
+    prompts = [story + " Where is Mary? Answer:" for story in texts(4, seed=3)]
+
+    def reward(completion_ids, **kwargs) -> list[float]:
+        return [float(sum(token % 5 for token in ids)) for ids in completion_ids]
+
+    args = trl_args(trl.GRPOConfig, tmp_path / "grpo", num_generations=2, max_completion_length=4, beta=0.1,
+                    max_steps=3, temperature=1.5)
+    trainer = TitansGRPOTrainer(model=model, reward_funcs=reward, args=args,
+                                train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
+                                processing_class=tokenizer)
+    assert isinstance(trainer.ref_model, TitansMemoryOffReference)
+    trainer.train()
+    assert_trained_exactly_the_memory(model, base_before, memory_before, calls, trainer)
+    kl = [entry["kl"] for entry in trainer.state.log_history if "kl" in entry]
+    assert kl[0] == 0.0 and kl[-1] > 0.0, kl

@@ -106,6 +106,19 @@ def load_trainable_state_dict(model: nn.Module, state_dict: dict[str, torch.Tens
     set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
+def load_memory_checkpoint(model: nn.Module, folder: str | os.PathLike) -> None:
+    """The trainable weights of a memory-only checkpoint (`memory_model.safetensors`, plus the trainable base
+    weights when the base trains too) into `model`, as resuming needs them."""
+    weights_path = Path(folder, MEMORY_WEIGHTS_NAME)
+    if not weights_path.is_file():
+        raise FileNotFoundError(f"{weights_path} not found: {folder} is not a complete memory checkpoint")
+    state_dict = load_memory_weights(weights_path)
+    base_path = Path(folder, TRAINABLE_BASE_WEIGHTS_NAME)
+    if base_path.is_file():
+        state_dict.update(load_memory_weights(base_path))
+    load_trainable_state_dict(model, state_dict, str(weights_path))
+
+
 def gather_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Full optimizer state keyed by parameter name (rank 0 only under FSDP); a collective under FSDP."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -455,16 +468,7 @@ class TitansTrainer(Trainer):
     # ---- loading ----
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        weights_path = Path(resume_from_checkpoint, MEMORY_WEIGHTS_NAME)
-        if not weights_path.is_file():
-            raise FileNotFoundError(
-                f"{weights_path} not found: {resume_from_checkpoint} is not a complete TitansTrainer checkpoint"
-            )
-        state_dict = load_memory_weights(weights_path)
-        base_path = Path(resume_from_checkpoint, TRAINABLE_BASE_WEIGHTS_NAME)
-        if base_path.is_file():
-            state_dict.update(load_memory_weights(base_path))
-        load_trainable_state_dict(model if model is not None else self.model, state_dict, str(weights_path))
+        load_memory_checkpoint(model if model is not None else self.model, resume_from_checkpoint)
 
     def _load_best_model(self) -> None:
         logger.info("Loading best memory from %s (score: %s).", self.state.best_model_checkpoint, self.state.best_metric)
