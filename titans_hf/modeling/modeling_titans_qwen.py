@@ -640,6 +640,39 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         as TRL's `ref_model` to DPO / GRPO so that no second model loads."""
         return TitansMemoryOffReference(self)
 
+    def completion_log_probs(self, prompt_ids: torch.LongTensor, completion_ids: torch.LongTensor,
+                             prompt_attention_mask: Tensor | None = None,
+                             completion_mask: Tensor | None = None) -> Tensor:
+        """Log-probability of every token of several completions of each prompt, the prompt read once: the
+        prompt [batch, prompt tokens] (left padding allowed) streams through the chunks and the memory into a
+        cache, which is then repeated for the completions [batch, group, tokens] (right-padded; `completion_mask`
+        1 on their tokens), all of which continue from that one memory state. Returns [batch, group, tokens],
+        0 where the mask is 0; differentiable, through the prompt's memory updates too (with a cache, chunks are
+        not recomputed in backward: the prompt's activations stay in memory). What DPO (a group of 2) and GRPO
+        score; equal to the log-probabilities of each completion read after its prompt as one row."""
+        if prompt_ids.dim() != 2 or prompt_ids.shape[1] == 0:
+            raise ValueError(f"completion_log_probs: prompt_ids must be [batch, tokens >= 1], got "
+                             f"{tuple(prompt_ids.shape)}: the first completion token is predicted from the prompt")
+        if completion_ids.dim() != 3 or completion_ids.shape[0] != prompt_ids.shape[0]:
+            raise ValueError(f"completion_log_probs: completion_ids must be [batch {prompt_ids.shape[0]}, group, "
+                             f"tokens], got {tuple(completion_ids.shape)}")
+        batch_size, group, length = completion_ids.shape
+        if prompt_attention_mask is None:
+            prompt_attention_mask = torch.ones_like(prompt_ids)
+        if completion_mask is None:
+            completion_mask = torch.ones_like(completion_ids)
+        cache = TitansCache(self.config)
+        last = self(input_ids=prompt_ids, attention_mask=prompt_attention_mask, cache=cache, use_cache=True,
+                    logits_to_keep=1).logits
+        cache.batch_repeat_interleave(group)
+        tokens, mask = completion_ids.flatten(0, 1), completion_mask.flatten(0, 1)
+        attention_mask = torch.cat([prompt_attention_mask.repeat_interleave(group, 0), mask.to(prompt_attention_mask)], 1)
+        logits = self(input_ids=tokens, attention_mask=attention_mask, cache=cache, use_cache=True,
+                      logits_to_keep=length).logits
+        logits = torch.cat([last.repeat_interleave(group, 0), logits[:, :-1]], dim=1)
+        log_probs = torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        return (log_probs * mask).view(batch_size, group, length)
+
     # ---- activation checkpointing ----
 
     gradient_checkpointing = False  # set by (gradient|activation)_checkpointing_enable: checkpoint every chunk
