@@ -141,7 +141,8 @@ def test_titans_hf_train_on_a_dpo_store(tiny_qwen3_dir, tiny_tokenizer_dir, tmp_
         "--memory_chunk_size", "4", "--memory_head_dim", "16", "--output_dir", str(tmp_path / "out"),
         "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1", "--learning_rate", "1e-2",
         "--max_steps", "3", "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true",
-        "--use_cpu", "true", "--train_ratio", "0.75", "--logging_steps", "1",
+        "--use_cpu", "true", "--train_ratio", "0.75", "--logging_steps", "1", "--eval_strategy", "steps",
+        "--eval_steps", "3",  # the held-out pair's DPO loss
     ]) == 0  # fmt: skip
     trained = TitansQwenForCausalLM.from_pretrained(tmp_path / "out")
     assert all(torch.equal(trained.state_dict()[name], tensor) for name, tensor in base.items())

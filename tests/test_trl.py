@@ -353,3 +353,29 @@ def test_titans_grpo_trainer_kl_against_the_memory_off_reference(tiny_qwen3_dir,
     assert_trained_exactly_the_memory(model, base_before, memory_before, calls, trainer)
     kl = [entry["kl"] for entry in trainer.state.log_history if "kl" in entry]
     assert kl[0] == 0.0 and kl[-1] > 0.0, kl
+
+
+def test_titans_dpo_trainer_on_a_dpo_store(tiny_qwen3_dir, tiny_tokenizer_dir, tmp_path):
+    """The rows of a titans_tokens dpo store are TRL's tokenized columns: TitansDPOTrainer trains on them as they are
+    (TRL's DPOTrainer would look for text columns: KeyError 'chosen')."""
+    import json
+
+    from titans_hf.data.prepare import prepare
+    from titans_hf.training.trl_trainers import TitansDPOTrainer
+
+    records = [{"prompt": story + " Where is Mary?", "chosen": " kitchen", "rejected": " garden"} for story in texts(4)]
+    jsonl = tmp_path / "pairs.jsonl"
+    jsonl.write_text("".join(json.dumps(record) + "\n" for record in records), encoding="utf-8")
+    [store] = prepare(jsonl, tmp_path / "pairs.h5", tiny_tokenizer_dir, train_type="dpo")
+    rows = datasets.load_dataset("titans_tokens", data_files=str(store), train_type="dpo",
+                                 cache_dir=str(tmp_path / "cache"))["train"]
+    assert rows.column_names == ["prompt_ids", "chosen_ids", "rejected_ids"]
+    with pytest.raises(KeyError, match="chosen"):
+        trl.DPOTrainer(model=memory_model(tiny_qwen3_dir), args=trl_args(trl.DPOConfig, tmp_path / "plain"),
+                       train_dataset=rows, processing_class=AutoTokenizer.from_pretrained(tiny_tokenizer_dir))
+    model = memory_model(tiny_qwen3_dir)
+    base_before, memory_before, calls = base_weights(model), memory_weights(model), MemoryCalls(model)
+    trainer = TitansDPOTrainer(model=model, args=trl_args(trl.DPOConfig, tmp_path / "dpo", max_length=64),
+                               train_dataset=rows, processing_class=AutoTokenizer.from_pretrained(tiny_tokenizer_dir))
+    trainer.train()
+    assert_trained_exactly_the_memory(model, base_before, memory_before, calls, trainer)

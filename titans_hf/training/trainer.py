@@ -64,7 +64,7 @@ RESUME_SETTINGS = (
     "learning_rate", "gradient_accumulation_steps", "per_device_train_batch_size", "world_size", "num_train_epochs",
     "max_steps", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio", "weight_decay",
     "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "optim", "seed", "data_seed", "bf16", "fp16",
-    "curriculum_chunks", "curriculum_epochs_per_stage", "dpo_beta",
+    "curriculum_chunks", "curriculum_epochs_per_stage",
 )
 
 
@@ -295,7 +295,12 @@ class TitansTrainer(Trainer):
     def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None):
         """The Trainer's step; for `compute_metrics`, a TitansQwen returns the greedy prediction of every labelled
-        token (`label_predictions`) in place of logits, which for a 32k-token row are what chunking avoids."""
+        token (`label_predictions`) in place of logits, which for a 32k-token row are what chunking avoids. dpo and
+        grpo rows give their loss alone."""
+        if "completion_ids" in inputs:  # dpo and grpo rows: their loss, nothing to predict
+            with torch.no_grad():
+                loss = self.compute_loss(model, self._prepare_inputs(inputs))
+            return loss.detach(), None, None
         forward = getattr(self.accelerator.unwrap_model(model), "forward", None)
         if not prediction_loss_only and "return_predictions" in inspect.signature(forward).parameters:
             inputs = {**inputs, "return_predictions": True}

@@ -6,6 +6,8 @@ with a frozen base: TRL scores tokens through `model.base_model` and the LM head
 what TRL cannot know about a memory:
 
 - resuming: a TitansQwen's checkpoints hold the memory alone, which the Trainer's loader does not recognise;
+- the rows of a `titans_tokens` dpo store, already in TRL's tokenized columns, which `trl.DPOTrainer` would try to
+  tokenize again;
 - the reference of DPO (`ref_model=None`) and of GRPO (`beta > 0`): the same model with its memory switched off
   (`TitansQwenForCausalLM.memory_off_reference()`: the frozen base read chunk by chunk, on the policy's own weights)
   instead of a second copy of the base loaded from `config.name_or_path`. Memory off rather than the memory at its
@@ -25,6 +27,10 @@ from trl.trainer.utils import add_fused_lm_head
 from titans_hf.modeling import TitansQwenForCausalLM
 
 from .trainer import load_memory_checkpoint
+
+
+# the columns of a tokenized DPO row, as TRL 1.16's collator reads them (and a titans_tokens dpo store yields them)
+TOKENIZED_DPO_COLUMNS = {"prompt_ids", "chosen_ids", "rejected_ids"}
 
 
 class MemoryCheckpoints:
@@ -60,6 +66,17 @@ class TitansDPOTrainer(MemoryCheckpoints, trl.DPOTrainer):
         if ref_model is None:
             ref_model = _memory_off_reference(model, args is not None and args.sync_ref_model)
         super().__init__(model, ref_model, args, **kwargs)
+
+    def _prepare_dataset(self, dataset, processing_class, args: trl.DPOConfig, dataset_name: str):
+        """TRL's preparation (prompt extraction, EOS, tokenization) for text rows; rows already in TRL's tokenized
+        columns (`prompt_ids`, `chosen_ids`, `rejected_ids`: a `titans_tokens` dpo store) go to its collator as they
+        are, less those whose prompt alone fills `max_length`, as TRL drops them."""
+        columns = set(next(iter(dataset)))
+        if not TOKENIZED_DPO_COLUMNS <= columns:
+            return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+        if args.max_length is not None and args.truncation_mode == "keep_start":
+            dataset = dataset.filter(lambda row: len(row["prompt_ids"]) < args.max_length)
+        return dataset
 
 
 class TitansGRPOTrainer(MemoryCheckpoints, trl.GRPOTrainer):
