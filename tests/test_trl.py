@@ -227,6 +227,9 @@ def test_dpo_trainer_with_the_memory_off_reference(tiny_qwen3_dir, tmp_path):
     trainer = trl.DPOTrainer(model=model, ref_model=model.memory_off_reference(), args=args,
                              train_dataset=preference_rows(4), processing_class=tokenizer)
     assert not any(True for _ in trainer.ref_model.parameters()), "the reference must hold no weights of its own"
+    # what TRL hashes to key cached reference scores (precompute_ref_log_probs): the base it computes with
+    assert trl.trainer.utils.hash_module(trainer.ref_model) == trl.trainer.utils.hash_module(
+        AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir))
     trainer.train()
     assert_trained_exactly_the_memory(model, base_before, memory_before, calls, trainer)
     assert calls.other == 0, "the memory-off reference ran the memory"

@@ -295,6 +295,11 @@ class TitansMemoryOffReference(nn.Module):
     def get_output_embeddings(self) -> nn.Module:
         return self.policy.get_output_embeddings()
 
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
+        """The weights it computes with: the policy's base (what TRL hashes to key its cached reference scores)."""
+        return {name: tensor for name, tensor in self.policy.state_dict(*args, **kwargs).items()
+                if name.startswith(BASE_PREFIXES)}
+
     def forward(self, *args: Any, **kwargs: Any) -> "TitansCausalLMOutput":
         with torch.no_grad(), self.policy.memory_disabled():
             return self.policy(*args, **kwargs)
