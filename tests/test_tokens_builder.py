@@ -124,15 +124,12 @@ def test_dpo_and_grpo_records_with_trl_columns(tmp_path):
         {
             "chosen": [[5, 6, 0], [7, 8, 9, 0]],
             "chosen_mask": [[0, 1, 1], [0, 0, 1, 1]],
-            "rejected": [[5, 16, 16, 0], [7, 18, 0]],
-            "rejected_mask": [[0, 1, 1, 1], [0, 1, 1]],
+            "rejected": [[5, 16, 16, 0], [7, 8, 18, 0]],
+            "rejected_mask": [[0, 1, 1, 1], [0, 0, 1, 1]],
         },
     )
     rows = load(str(dpo), tmp_path / "cache", train_type="dpo")
-    assert rows[1] == {
-        "chosen_input_ids": [7, 8, 9, 0], "chosen_attention_mask": [1, 1, 1, 1], "chosen_labels": [-100, -100, 9, 0],
-        "rejected_input_ids": [7, 18, 0], "rejected_attention_mask": [1, 1, 1], "rejected_labels": [-100, 18, 0],
-    }
+    assert rows[1] == {"prompt_ids": [7, 8], "chosen_ids": [9, 0], "rejected_ids": [18, 0]}
     grpo = make_store(
         tmp_path / "grpo_bin",
         {"prompts": [[1, 2], [3]], "responses": [[4, 0], [5, 0], [6, 6, 0]], "masks": [[1, 1], [1, 1], [1, 1, 1]],

@@ -154,24 +154,25 @@ def test_sft_labels_are_minus_100_exactly_where_the_mask_is_zero(tmp_path):
 
 
 def test_dpo_whole_records(tmp_path):
+    """TRL 1.16's tokenized columns: the shared prompt (the tokens before the answer) once, then each answer."""
     segments = {
-        "chosen": [[5, 6, 7, 0], [8, 9, 0]],
-        "chosen_mask": [[0, 1, 1, 1], [0, 1, 1]],
-        "rejected": [[5, 16, 0], [8, 19, 19, 19, 0]],
-        "rejected_mask": [[0, 1, 1], [0, 1, 1, 1, 1]],
+        "chosen": [[5, 6, 7, 0], [8, 9, 0], [4, 4, 1], [3, 1, 2]],
+        "chosen_mask": [[0, 1, 1, 1], [0, 1, 1], [0, 1, 0], [0, 0, 1]],
+        "rejected": [[5, 16, 0], [8, 19, 19, 19, 0], [4, 2], [3, 2]],
+        "rejected_mask": [[0, 1, 1], [0, 1, 1, 1, 1], [0, 1], [0, 1]],
     }
     store = make_store(tmp_path / "dpo_bin", segments, {k: ("uint8" if k.endswith("mask") else "uint16") for k in segments})
     examples = TokenExamples(store, "dpo")
-    assert len(examples) == 2
+    assert len(examples) == 4
     second = examples[1]
-    assert sorted(second) == sorted(
-        f"{side}_{name}" for side in ("chosen", "rejected") for name in ("input_ids", "attention_mask", "labels")
-    )
-    assert second["chosen_input_ids"].tolist() == [8, 9, 0]
-    assert second["chosen_labels"].tolist() == [-100, 9, 0]
-    assert second["rejected_input_ids"].tolist() == [8, 19, 19, 19, 0]
-    assert second["rejected_labels"].tolist() == [-100, 19, 19, 19, 0]
-    assert second["rejected_attention_mask"].tolist() == [1, 1, 1, 1, 1]
+    assert sorted(second) == ["chosen_ids", "prompt_ids", "rejected_ids"]
+    assert second["prompt_ids"].tolist() == [8]
+    assert second["chosen_ids"].tolist() == [9, 0]
+    assert second["rejected_ids"].tolist() == [19, 19, 19, 0]
+    with pytest.raises(ValueError, match="record 2: 'chosen_mask' turns off again inside the answer"):
+        examples[2]
+    with pytest.raises(ValueError, match="record 3: the tokens before the answer differ"):
+        examples[3]
     with pytest.raises(ValueError, match="yields whole records: window_size"):
         TokenExamples(store, "dpo", window_size=4)
 

@@ -83,3 +83,73 @@ class TitansDataCollator:
             mask = feature.get("attention_mask")
             batch["attention_mask"][row, :length] = 1 if mask is None else torch.as_tensor(mask, dtype=torch.long)
         return batch
+
+
+class CompletionsCollator:
+    """Batch dpo rows (`prompt_ids`, `chosen_ids`, `rejected_ids`) or grpo rows (`prompt_ids`, `completion_ids`,
+    `completion_mask`, `rewards`) as one prompt and a group of completions per row, for a loss that reads each
+    prompt once and scores every completion from the memory state it leaves (DPO: the group is chosen, rejected).
+
+    Returns `prompt_ids` / `prompt_attention_mask` [B, P], left-padded (a row's chunks start at its first token, so
+    left padding changes nothing), `completion_ids` / `completion_mask` [B, G, A], right-padded, and for grpo rows
+    `rewards` [B, G] (float32). With `chunk_size`, P is a whole number of chunks and P and A are the largest of any
+    rank, so that every rank runs the same chunks. All rows of a batch need the same group size."""
+
+    def __init__(self, pad_token_id: int, chunk_size: int | None = None):
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size={chunk_size} must be a positive number of tokens or None")
+        self.pad_token_id, self.chunk_size = pad_token_id, chunk_size
+
+    def __call__(self, features: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        if not features:
+            raise ValueError("CompletionsCollator got an empty batch")
+        grpo = "completion_ids" in features[0]
+        needed = ("prompt_ids", "completion_ids", "completion_mask", "rewards") if grpo else (
+            "prompt_ids", "chosen_ids", "rejected_ids")
+        groups = []
+        for index, feature in enumerate(features):
+            missing = [key for key in needed if key not in feature]
+            if missing:
+                raise ValueError(f"CompletionsCollator: row {index} of the batch lacks {missing} (dpo rows: prompt_ids, "
+                                 "chosen_ids, rejected_ids; grpo rows: prompt_ids, completion_ids, completion_mask, "
+                                 "rewards)")
+            if len(feature["prompt_ids"]) == 0:
+                raise ValueError(f"CompletionsCollator: row {index} has no prompt; its first answer token would have "
+                                 "nothing to be predicted from")
+            if grpo:
+                completions = [list(ids) for ids in feature["completion_ids"]]
+                masks = [list(mask) for mask in feature["completion_mask"]]
+                if len(masks) != len(completions) or len(feature["rewards"]) != len(completions) or any(
+                        len(m) != len(c) for m, c in zip(masks, completions)):
+                    raise ValueError(f"CompletionsCollator: row {index}: completion_ids, completion_mask and rewards "
+                                     "do not match one another")
+            else:
+                completions = [list(feature["chosen_ids"]), list(feature["rejected_ids"])]
+                masks = [[1] * len(ids) for ids in completions]
+            groups.append((completions, masks))
+        sizes = sorted({len(completions) for completions, _ in groups})
+        if len(sizes) > 1:
+            raise ValueError(f"CompletionsCollator: groups of {sizes} completions in one batch; batch groups of one "
+                             "size (e.g. per_device_train_batch_size=1)")
+        prompt_length = max(len(feature["prompt_ids"]) for feature in features)
+        answer_length = max(1, max(len(ids) for completions, _ in groups for ids in completions))
+        if self.chunk_size is not None:
+            prompt_length = _agreed_chunk_count(math.ceil(prompt_length / self.chunk_size)) * self.chunk_size
+            answer_length = _agreed_chunk_count(answer_length)  # the MAX over ranks of any count
+        batch_size, group = len(features), sizes[0]
+        batch = {
+            "prompt_ids": torch.full((batch_size, prompt_length), self.pad_token_id, dtype=torch.long),
+            "prompt_attention_mask": torch.zeros((batch_size, prompt_length), dtype=torch.long),
+            "completion_ids": torch.full((batch_size, group, answer_length), self.pad_token_id, dtype=torch.long),
+            "completion_mask": torch.zeros((batch_size, group, answer_length), dtype=torch.long),
+        }
+        for row, (feature, (completions, masks)) in enumerate(zip(features, groups)):
+            prompt = torch.as_tensor(feature["prompt_ids"], dtype=torch.long)
+            batch["prompt_ids"][row, prompt_length - len(prompt):] = prompt
+            batch["prompt_attention_mask"][row, prompt_length - len(prompt):] = 1
+            for index, (ids, mask) in enumerate(zip(completions, masks)):
+                batch["completion_ids"][row, index, :len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+                batch["completion_mask"][row, index, :len(ids)] = torch.as_tensor(mask, dtype=torch.long)
+        if grpo:
+            batch["rewards"] = torch.tensor([list(feature["rewards"]) for feature in features], dtype=torch.float32)
+        return batch

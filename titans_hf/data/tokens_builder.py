@@ -47,10 +47,7 @@ _MASK = datasets.List(datasets.Value("int8"))
 FEATURES: dict[str, datasets.Features] = {
     "seq": datasets.Features({"input_ids": _IDS, "attention_mask": _MASK, "labels": _IDS}),
     "sft": datasets.Features({"input_ids": _IDS, "attention_mask": _MASK, "labels": _IDS}),
-    "dpo": datasets.Features(
-        {f"{side}_{name}": feature for side in ("chosen", "rejected") for name, feature in
-         (("input_ids", _IDS), ("attention_mask", _MASK), ("labels", _IDS))}
-    ),
+    "dpo": datasets.Features({"prompt_ids": _IDS, "chosen_ids": _IDS, "rejected_ids": _IDS}),
     "grpo": datasets.Features(
         {
             "prompt_ids": _IDS,

@@ -97,8 +97,10 @@ class TokenExamples:
     Keys of each example (TRL's names where TRL has them):
     - `seq`, `sft`: `input_ids`, `attention_mask`, `labels` (all of length `window_size`; labels
       are -100 on padding and, for `sft`, where `loss_mask` is 0; the model shifts them).
-    - `dpo`: `chosen_input_ids`, `chosen_attention_mask`, `chosen_labels` and the same for
-      `rejected`: one whole pair per row, labels -100 where the mask is 0.
+    - `dpo`: `prompt_ids`, `chosen_ids`, `rejected_ids` (TRL 1.16's tokenized columns): one whole
+      pair per row; the prompt is the part of both records before their first masked-in token (the
+      same tokens on both sides), each answer the rest, every token of which counts. A mask that
+      turns off again inside an answer, or prompts that differ, are refused naming the record.
     - `grpo`: `prompt_ids`, `completion_ids` (one list per response), `completion_mask`,
       `rewards` (float32): one whole group per row.
 
@@ -259,18 +261,28 @@ class TokenExamples:
         lengths = np.array([len(piece) for piece in pieces], dtype=np.int64)
         return np.concatenate(pieces), np.concatenate([[0], np.cumsum(lengths)[:-1]])
 
-    def _labelled_pair(self, tokens_key: str, mask_key: str, record: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        tokens = self.store.segment(tokens_key, record).astype(np.int32)
-        mask = self.store.segment(mask_key, record)
-        return tokens, np.ones(len(tokens), np.int8), np.where(mask != 0, tokens, IGNORE_INDEX).astype(np.int32)
+    def _split_answer(self, side: str, record: int) -> tuple[np.ndarray, np.ndarray]:
+        """(prompt, answer) of one side of a dpo record: the tokens before its first masked-in one, and the rest."""
+        tokens = self.store.segment(side, record).astype(np.int32)
+        mask = self.store.segment(f"{side}_mask", record) != 0
+        first = int(mask.argmax()) if mask.any() else len(mask)
+        if not mask[first:].all():
+            raise ValueError(f"{self.store.path}: dpo record {record}: '{side}_mask' turns off again inside the answer "
+                             f"(at token {first + int((~mask[first:]).argmax())}); an answer is scored whole")
+        return tokens[:first], tokens[first:]
 
     def _dpo_batch(self, start: int, stop: int) -> dict[str, list[np.ndarray]]:
-        columns: dict[str, list[np.ndarray]] = {}
-        for side in ("chosen", "rejected"):
-            ids, attention, labels = zip(*(self._labelled_pair(side, f"{side}_mask", i) for i in range(start, stop)))
-            columns[f"{side}_input_ids"] = list(ids)
-            columns[f"{side}_attention_mask"] = list(attention)
-            columns[f"{side}_labels"] = list(labels)
+        columns: dict[str, list[np.ndarray]] = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": []}
+        for record in range(start, stop):
+            prompt, chosen = self._split_answer("chosen", record)
+            rejected_prompt, rejected = self._split_answer("rejected", record)
+            if not np.array_equal(prompt, rejected_prompt):
+                raise ValueError(f"{self.store.path}: dpo record {record}: the tokens before the answer differ between "
+                                 f"'chosen' ({len(prompt)} tokens) and 'rejected' ({len(rejected_prompt)} tokens); "
+                                 "both answers must follow one prompt")
+            columns["prompt_ids"].append(prompt)
+            columns["chosen_ids"].append(chosen)
+            columns["rejected_ids"].append(rejected)
         return columns
 
     def _grpo_batch(self, start: int, stop: int) -> dict[str, list]:

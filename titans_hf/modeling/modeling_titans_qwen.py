@@ -36,7 +36,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, Generation
 from transformers import initialization as init
 from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from titans_hf.hub import (
     MEMORY_WEIGHTS_NAME,
@@ -221,6 +221,93 @@ class TitansCache(DynamicCache):
         rows = self._rows()
         if rows is not None:
             self._select_rows(torch.arange(rows).repeat_interleave(repeats))
+
+
+# what a padding-free (packed) batch carries instead of an attention mask: several documents in one row
+PACKED_BATCH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+class TitansBackbone(nn.Module):
+    """The decoder of a `TitansQwenForCausalLM` as code that reaches for `model.base_model` or `model.get_decoder()`
+    calls it (TRL's fused LM head: backbone, then the LM head tile by tile): calling it runs the model's chunk loop,
+    the memory included (or switched off, with `memory=False`), and returns the last hidden state, normed, before
+    the LM head. Every other attribute (`layers`, `embed_tokens`, `get_input_embeddings`, `config`, ...) is the
+    Qwen backbone's. A view, made on each access: it owns no parameters and is no submodule of the model."""
+
+    def __init__(self, model: "TitansQwenForCausalLM", memory: bool = True):
+        super().__init__()
+        self.__dict__["_titans"], self.__dict__["_memory"] = model, memory  # not registered as a submodule
+
+    def __getattr__(self, name: str) -> Any:
+        titans = self.__dict__.get("_titans")
+        if titans is None:
+            raise AttributeError(name)
+        return getattr(titans.model, name)
+
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: Tensor | None = None,
+                inputs_embeds: torch.FloatTensor | None = None, position_ids: Tensor | None = None,
+                use_cache: bool | None = None, **kwargs: Any) -> BaseModelOutputWithPast:
+        """`last_hidden_state` [batch, tokens, hidden] of the chunk loop over the whole input (positions restart
+        every chunk; `position_ids` are only checked). A packed (padding-free) batch is refused: its documents
+        would share one stream of chunks and one memory."""
+        if use_cache:
+            raise ValueError("base_model / get_decoder() of a TitansQwenForCausalLM run without a cache; generate "
+                             "with the model itself")
+        packed = [key for key in PACKED_BATCH_KWARGS if kwargs.get(key) is not None]
+        if packed or (position_ids is not None and _restarts_inside_rows(position_ids, attention_mask)):
+            raise ValueError("TitansQwenForCausalLM reads each row as one stream through its memory: packed / "
+                             f"padding-free batches (position_ids restarting inside a row{', ' if packed else ''}"
+                             f"{', '.join(packed)}) are not supported; use padding (e.g. TRL's padding_free=False, "
+                             "packing=False)")
+        titans = self._titans
+        context = contextlib.nullcontext() if self._memory else titans.memory_disabled()
+        with context:
+            # the class's forward: this view is called from inside the model's own (possibly patched) forward
+            outputs = type(titans).forward(titans, input_ids=input_ids, attention_mask=attention_mask,
+                                           inputs_embeds=inputs_embeds, output_hidden_states=True)
+        return BaseModelOutputWithPast(last_hidden_state=outputs.hidden_states[-1])
+
+
+def _restarts_inside_rows(position_ids: Tensor, attention_mask: Tensor | None) -> bool:
+    """Whether positions fall back to an earlier value between two real tokens of a row (documents packed)."""
+    real = torch.ones_like(position_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    restarts = (position_ids[:, 1:] <= position_ids[:, :-1]) & real[:, 1:] & real[:, :-1]
+    return bool(restarts.any())
+
+
+class TitansMemoryOffReference(nn.Module):
+    """The frozen base run chunk by chunk (the memory switched off) as a reference model for TRL's DPO / GRPO, on
+    the policy's own weights: no second copy loads. It owns no parameters and no submodules; calls run without
+    gradients. Made by `TitansQwenForCausalLM.memory_off_reference()`."""
+
+    def __init__(self, model: "TitansQwenForCausalLM"):
+        super().__init__()
+        self.__dict__["policy"] = model  # not registered: the reference holds nothing to train, cast or shard
+        self.config = model.config
+
+    @property
+    def base_model(self) -> TitansBackbone:
+        return TitansBackbone(self.policy, memory=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.policy.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.policy.dtype
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.policy.get_output_embeddings()
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
+        """The weights it computes with: the policy's base (what TRL hashes to key its cached reference scores)."""
+        return {name: tensor for name, tensor in self.policy.state_dict(*args, **kwargs).items()
+                if name.startswith(BASE_PREFIXES)}
+
+    def forward(self, *args: Any, **kwargs: Any) -> "TitansCausalLMOutput":
+        with torch.no_grad(), self.policy.memory_disabled():
+            return self.policy(*args, **kwargs)
 
 
 class TitansQwenPreTrainedModel(PreTrainedModel):
@@ -559,6 +646,71 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
             yield self
         finally:
             self._layer_major_enabled = previous
+
+    # ---- what trainers reach for inside the model (TRL) ----
+
+    @property
+    def base_model(self) -> nn.Module:
+        """The decoder as the memory makes it (`TitansBackbone`): `model.base_model(...)` and
+        `model.get_decoder()(...)` run the chunk loop with the memory, as `forward` does, never the bare Qwen."""
+        if "model" not in self._modules:  # still being built
+            return self
+        return TitansBackbone(self)
+
+    def get_decoder(self) -> nn.Module:
+        return self.base_model
+
+    def memory_off_reference(self) -> TitansMemoryOffReference:
+        """This model with its memory switched off (the frozen base, chunk by chunk), on the same weights: pass it
+        as TRL's `ref_model` to DPO / GRPO so that no second model loads."""
+        return TitansMemoryOffReference(self)
+
+    def completion_log_probs(self, prompt_ids: torch.LongTensor, completion_ids: torch.LongTensor,
+                             prompt_attention_mask: Tensor | None = None,
+                             completion_mask: Tensor | None = None) -> Tensor:
+        """Log-probability of every token of several completions of each prompt, the prompt read once: the
+        prompt [batch, prompt tokens] (left padding allowed) streams through the chunks and the memory into a
+        cache, which is then repeated for the completions [batch, group, tokens] (right-padded; `completion_mask`
+        1 on their tokens), all of which continue from that one memory state. Returns [batch, group, tokens],
+        0 where the mask is 0; differentiable, through the prompt's memory updates too (with a cache, chunks are
+        not recomputed in backward: the prompt's activations stay in memory). What DPO (a group of 2) and GRPO
+        score; equal to the log-probabilities of each completion read after its prompt as one row."""
+        if prompt_ids.dim() != 2 or prompt_ids.shape[1] == 0:
+            raise ValueError(f"completion_log_probs: prompt_ids must be [batch, tokens >= 1], got "
+                             f"{tuple(prompt_ids.shape)}: the first completion token is predicted from the prompt")
+        if completion_ids.dim() != 3 or completion_ids.shape[0] != prompt_ids.shape[0]:
+            raise ValueError(f"completion_log_probs: completion_ids must be [batch {prompt_ids.shape[0]}, group, "
+                             f"tokens], got {tuple(completion_ids.shape)}")
+        batch_size, group, length = completion_ids.shape
+        if prompt_attention_mask is None:
+            prompt_attention_mask = torch.ones_like(prompt_ids)
+        if completion_mask is None:
+            completion_mask = torch.ones_like(completion_ids)
+        cache = TitansCache(self.config)
+        last = self(input_ids=prompt_ids, attention_mask=prompt_attention_mask, cache=cache, use_cache=True,
+                    logits_to_keep=1).logits
+        cache.batch_repeat_interleave(group)
+        tokens, mask = completion_ids.flatten(0, 1), completion_mask.flatten(0, 1)
+        attention_mask = torch.cat([prompt_attention_mask.repeat_interleave(group, 0), mask.to(prompt_attention_mask)], 1)
+        logits = self(input_ids=tokens, attention_mask=attention_mask, cache=cache, use_cache=True,
+                      logits_to_keep=length).logits
+        logits = torch.cat([last.repeat_interleave(group, 0), logits[:, :-1]], dim=1)
+        log_probs = torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        return (log_probs * mask).view(batch_size, group, length)
+
+    # ---- activation checkpointing ----
+
+    gradient_checkpointing = False  # set by (gradient|activation)_checkpointing_enable: checkpoint every chunk
+
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func: Callable = checkpoint,
+                                    every_n_layers: int = 1) -> None:
+        """What `activation_checkpointing_enable` / `gradient_checkpointing_enable` (and a Trainer or TRL with
+        `gradient_checkpointing=True`) turn on: each chunk is recomputed in backward as one unit, memory update
+        included, the same recomputation as `memory_config.checkpoint_chunks`. The decoder layers' own checkpointing
+        stays off: it drops the cache that carries the previous chunk's keys (attend_previous_chunk) and would
+        replay its writes. The chunk unit is always checkpointed without re-entrance, whatever
+        `gradient_checkpointing_func` and `every_n_layers` say."""
+        self.gradient_checkpointing = enable
 
     # ---- forward ----
 
@@ -951,8 +1103,8 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         seen = cache.seen_tokens if cache is not None else 0
         memory = self.config.memory_config
         chunk_size, bptt = memory.chunk_size, memory.bptt_chunks
-        use_checkpoint = (memory.checkpoint_chunks and self.training and torch.is_grad_enabled()
-                          and cache is None)
+        use_checkpoint = ((memory.checkpoint_chunks or self.gradient_checkpointing) and self.training
+                          and torch.is_grad_enabled() and cache is None)
 
         if self._runs_layer_major(length, cache, use_checkpoint):
             return self._stream_layer_major(inputs, token_mask, shifted_labels, states, keep_start, predict,
@@ -1120,4 +1272,11 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         model_kwargs["cache"] = TitansCache(self.config)
 
 
-__all__ = ["TitansCache", "TitansCausalLMOutput", "TitansQwenForCausalLM", "TitansQwenPreTrainedModel"]
+__all__ = [
+    "TitansBackbone",
+    "TitansCache",
+    "TitansCausalLMOutput",
+    "TitansMemoryOffReference",
+    "TitansQwenForCausalLM",
+    "TitansQwenPreTrainedModel",
+]

@@ -6,7 +6,9 @@ Two kinds of data, one recipe (`--dataset`):
   accumulation 8, a log line every 80 batches, a 0.9 train split, a final memory checkpoint); `evaluate()` reports
   the exact match of the answers.
 - `titans_tokens`: your own long documents, `titans-hf prepare`d into `seq` or `sft` token stores, read as windows
-  of `--window_size` tokens (many chunks each); held out by `--eval_data_files` or a seeded `train_ratio` split.
+  of `--window_size` tokens (many chunks each), or `dpo` / `grpo` stores, read as whole records (a prompt and its
+  answers; see `titans_hf.training.trainer.completions_loss`); held out by `--eval_data_files` or a seeded
+  `train_ratio` split.
 
 Single process, or::
 
@@ -107,7 +109,10 @@ class DataArguments:
         default=None,
         metadata={"help": "titans_tokens: held-out stores to evaluate on (default: a seeded share of the windows)."},
     )
-    train_type: str = field(default="seq", metadata={"help": "titans_tokens: seq or sft."})
+    train_type: str = field(default="seq", metadata={
+        "help": "titans_tokens: seq or sft (windows), dpo or grpo (whole records: each prompt read once, its answers "
+                "scored from the memory state it leaves; DPO against the memory-off model, GRPO on the stored "
+                "rewards)."})
     window_size: int | None = field(
         default=None, metadata={"help": "titans_tokens: tokens per training row (a multiple of chunk_size is best)."}
     )
@@ -169,10 +174,15 @@ class DataArguments:
             if not self.data_files:
                 raise ValueError("--dataset titans_tokens needs --data_files (token stores written by titans-hf "
                                  "prepare)")
-            if self.window_size is None:
+            if self.train_type not in ("seq", "sft", "dpo", "grpo"):
+                raise ValueError(f"--train_type {self.train_type!r} must be seq, sft, dpo or grpo")
+            records = self.train_type in ("dpo", "grpo")
+            if self.window_size is None and not records:
                 raise ValueError("--dataset titans_tokens needs --window_size (tokens per training row)")
-            if self.train_type not in ("seq", "sft"):
-                raise ValueError(f"--train_type {self.train_type!r}: memory training reads seq or sft windows")
+            if records and (self.window_size is not None or self.stride is not None or self.pad_tail
+                            or self.respect_document_boundaries):
+                raise ValueError(f"--train_type {self.train_type} reads whole records: --window_size, --stride, "
+                                 "--pad_tail and --respect_document_boundaries are for seq and sft windows")
 
 
 @dataclass

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -39,7 +40,7 @@ from transformers import EvalPrediction, Trainer
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy
 
-from titans_hf.data.collator import TitansDataCollator
+from titans_hf.data.collator import CompletionsCollator, TitansDataCollator
 from titans_hf.data.sampler import ChunkCurriculumSampler, ResumableSampler, count_chunks
 from titans_hf.hub import (
     MEMORY_CONFIG_NAME,
@@ -114,6 +115,19 @@ def load_trainable_state_dict(model: nn.Module, state_dict: dict[str, torch.Tens
     set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
+def load_memory_checkpoint(model: nn.Module, folder: str | os.PathLike) -> None:
+    """The trainable weights of a memory-only checkpoint (`memory_model.safetensors`, plus the trainable base
+    weights when the base trains too) into `model`, as resuming needs them."""
+    weights_path = Path(folder, MEMORY_WEIGHTS_NAME)
+    if not weights_path.is_file():
+        raise FileNotFoundError(f"{weights_path} not found: {folder} is not a complete memory checkpoint")
+    state_dict = load_memory_weights(weights_path)
+    base_path = Path(folder, TRAINABLE_BASE_WEIGHTS_NAME)
+    if base_path.is_file():
+        state_dict.update(load_memory_weights(base_path))
+    load_trainable_state_dict(model, state_dict, str(weights_path))
+
+
 def gather_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Full optimizer state keyed by parameter name (rank 0 only under FSDP); a collective under FSDP."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -133,6 +147,45 @@ def answer_exact_match(prediction: EvalPrediction) -> dict[str, float]:
     rows = labelled.any(axis=1)
     right = ((predictions == labels) | ~labelled).all(axis=1)
     return {"exact_match": float(right[rows].mean()) if rows.any() else float("nan")}
+
+
+# what a CompletionsCollator batch (dpo and grpo rows) carries into compute_loss
+COMPLETION_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids", "completion_ids", "completion_mask", "rewards")
+
+
+def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """GRPO's advantages [B, G]: each reward less its group's mean, over the group's standard deviation (+1e-4, as
+    TRL); 0 for a group of one, or of equal rewards."""
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    if rewards.shape[1] < 2:
+        return torch.zeros_like(rewards)
+    return centred / (rewards.std(dim=1, keepdim=True) + 1e-4)
+
+
+def completions_loss(model: nn.Module, inputs: dict[str, torch.Tensor], dpo_beta: float) -> torch.Tensor:
+    """The loss of a batch of prompts with a group of completions each, every prompt streamed through the memory
+    once (`TitansQwenForCausalLM.completion_log_probs`).
+
+    - dpo (group = chosen, rejected): DPO's sigmoid loss, -log sigmoid(beta * (policy margin - reference margin)),
+      the reference being the same model with its memory switched off (the frozen base, chunk by chunk).
+    - grpo (`rewards` [B, G], responses stored with their rewards): the GRPO loss at an importance ratio of 1, i.e.
+      -sum(advantage * log p(token)) over all completion tokens / their count, the advantages group-relative
+      (`group_advantages`). The stored responses were not sampled from the model being trained and carry no
+      behaviour log-probabilities, so there is no ratio to clip: each group gives the first, on-policy step's
+      gradient (REINFORCE with the group's mean as baseline). No KL term.
+    """
+    scored = {key: inputs[key] for key in ("prompt_ids", "completion_ids", "prompt_attention_mask", "completion_mask")}
+    log_probs = model.completion_log_probs(**scored)
+    mask = inputs["completion_mask"].to(log_probs.dtype)
+    if "rewards" in inputs:
+        advantages = group_advantages(inputs["rewards"].to(log_probs.device, log_probs.dtype))
+        return -(advantages.unsqueeze(-1) * log_probs * mask).sum() / mask.sum().clamp(min=1)
+    if log_probs.shape[1] != 2:
+        raise ValueError(f"dpo batches hold a chosen and a rejected answer per prompt, got {log_probs.shape[1]}")
+    with torch.no_grad(), model.memory_disabled():
+        reference = model.completion_log_probs(**scored)
+    margins = log_probs.sum(-1) - reference.sum(-1)  # [B, 2]: chosen, rejected
+    return -F.logsigmoid(dpo_beta * (margins[:, 0] - margins[:, 1])).mean()
 
 
 def checkpoint_problem(folder: str | os.PathLike) -> str | None:
@@ -173,11 +226,15 @@ class TitansTrainer(Trainer):
         if not trainable_parameter_names(model):
             raise ValueError("model has no trainable parameter: nothing for TitansTrainer to train or checkpoint")
         memory_config = getattr(model.config, "memory_config", None)
+        completions = COMPLETION_COLUMNS[0] in (getattr(kwargs.get("train_dataset"), "column_names", None) or [])
         if data_collator is None:
-            data_collator = TitansDataCollator(
+            collator = CompletionsCollator if completions else TitansDataCollator
+            data_collator = collator(
                 pad_token_id=resolve_pad_token_id(kwargs.get("processing_class"), model.config.get_text_config()),
                 chunk_size=getattr(memory_config, "chunk_size", None),
             )
+        if completions and args.curriculum_chunks is not None:
+            raise ValueError("curriculum_chunks counts the chunks of windows; dpo and grpo rows take no curriculum")
         if args.curriculum_chunks is not None and getattr(data_collator, "chunk_size", None) is None:
             raise ValueError(
                 "curriculum_chunks needs a chunk size: use a TitansQwen model (memory_config.chunk_size) or pass a "
@@ -223,12 +280,35 @@ class TitansTrainer(Trainer):
                         sampler.stages[stage], len(sampler.pools[stage]))
         return super()._run_epoch(model, epoch, train_dataloader, *args, **kwargs)
 
+    def _set_signature_columns_if_needed(self) -> None:
+        super()._set_signature_columns_if_needed()
+        self._signature_columns = [*self._signature_columns, *COMPLETION_COLUMNS]
+
+    # ---- dpo and grpo rows: one prompt, a group of completions ----
+
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: int | torch.Tensor | None = None):
+        """The Trainer's loss for windows; for batches of a `CompletionsCollator` (dpo and grpo rows) the loss of
+        `completions_loss`, every completion scored from the memory state its prompt left."""
+        if "completion_ids" not in inputs:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self.args.world_size > 1:
+            raise ValueError("dpo and grpo rows train in one process: their loss calls the model's "
+                             "completion_log_probs, which DDP / FSDP do not wrap")
+        loss = completions_loss(self.accelerator.unwrap_model(model), inputs, self.args.dpo_beta)
+        return (loss, None) if return_outputs else loss
+
     # ---- evaluation ----
 
     def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None):
         """The Trainer's step; for `compute_metrics`, a TitansQwen returns the greedy prediction of every labelled
-        token (`label_predictions`) in place of logits, which for a 32k-token row are what chunking avoids."""
+        token (`label_predictions`) in place of logits, which for a 32k-token row are what chunking avoids. dpo and
+        grpo rows give their loss alone."""
+        if "completion_ids" in inputs:  # dpo and grpo rows: their loss, nothing to predict
+            with torch.no_grad():
+                loss = self.compute_loss(model, self._prepare_inputs(inputs))
+            return loss.detach(), None, None
         forward = getattr(self.accelerator.unwrap_model(model), "forward", None)
         if not prediction_loss_only and "return_predictions" in inspect.signature(forward).parameters:
             inputs = {**inputs, "return_predictions": True}
@@ -502,16 +582,7 @@ class TitansTrainer(Trainer):
     # ---- loading ----
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        weights_path = Path(resume_from_checkpoint, MEMORY_WEIGHTS_NAME)
-        if not weights_path.is_file():
-            raise FileNotFoundError(
-                f"{weights_path} not found: {resume_from_checkpoint} is not a complete TitansTrainer checkpoint"
-            )
-        state_dict = load_memory_weights(weights_path)
-        base_path = Path(resume_from_checkpoint, TRAINABLE_BASE_WEIGHTS_NAME)
-        if base_path.is_file():
-            state_dict.update(load_memory_weights(base_path))
-        load_trainable_state_dict(model if model is not None else self.model, state_dict, str(weights_path))
+        load_memory_checkpoint(model if model is not None else self.model, resume_from_checkpoint)
 
     def _load_best_model(self) -> None:
         logger.info("Loading best memory from %s (score: %s).", self.state.best_model_checkpoint, self.state.best_metric)

@@ -24,6 +24,7 @@ class TitansTrainingArguments(TrainingArguments):
         curriculum_chunks: chunk-count caps, one per stage, increasing (e.g. 1 2 4 8): stage s trains on the rows
             of at most `curriculum_chunks[s]` chunks, the last stage stays. None: no curriculum.
         curriculum_epochs_per_stage: epochs spent in each curriculum stage before the next one.
+        dpo_beta: DPO's beta for dpo rows (TRL's default, 0.1).
         hub_dataset_ids: Hub ids of the datasets trained on, written into the model card of a push.
         overwrite_output_dir: let a fresh run replace the memory folder an earlier run saved in `output_dir` (only
             the files titans_hf wrote there and recorded in its `.titans_hf_outputs.json`; a user's own files of the
@@ -54,6 +55,10 @@ class TitansTrainingArguments(TrainingArguments):
     )
     curriculum_epochs_per_stage: int = field(
         default=1, metadata={"help": "Epochs spent in each curriculum stage before the next one."}
+    )
+    dpo_beta: float = field(
+        default=0.1, metadata={"help": "dpo rows: DPO's beta, how far the memory may move the answers' log-ratio "
+                                       "against the memory-off model."}
     )
     hub_dataset_ids: list[str] | None = field(
         default=None, metadata={"help": "Hub ids of the datasets trained on, for the model card of a push."}
