@@ -41,6 +41,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy
 from titans_hf.data.collator import TitansDataCollator
 from titans_hf.data.sampler import ChunkCurriculumSampler, ResumableSampler, count_chunks
 from titans_hf.hub import (
+    ADAPTER_CONFIG_NAME,
+    ADAPTER_WEIGHTS_NAME,
     MEMORY_CONFIG_NAME,
     MEMORY_WEIGHTS_NAME,
     TRAINABLE_BASE_WEIGHTS_NAME,
@@ -162,6 +164,10 @@ class TitansTrainer(Trainer):
     def __init__(self, model: nn.Module, args: TitansTrainingArguments, data_collator=None, **kwargs):
         if not isinstance(args, TitansTrainingArguments):
             raise ValueError(f"args must be TitansTrainingArguments, got {type(args).__name__}")
+        if type(model).__module__.startswith("peft.") and hasattr(getattr(model, "config", None), "memory_config"):
+            raise ValueError(f"model is a {type(model).__name__} (peft.get_peft_model) around a TitansQwen: PEFT froze "
+                             "its memory and would save the adapter alone; put the LoRA on the model in place instead, "
+                             "titans_hf.lora.add_lora(model, LoraConfig(...)), which trains and saves both")
         if not trainable_parameter_names(model):
             raise ValueError("model has no trainable parameter: nothing for TitansTrainer to train or checkpoint")
         memory_config = getattr(model.config, "memory_config", None)
@@ -310,6 +316,15 @@ class TitansTrainer(Trainer):
             if changed:
                 raise ValueError(f"cannot resume from {checkpoint}: this model differs from the checkpoint's "
                                  f"{checkpoint / MEMORY_CONFIG_NAME}: {'; '.join(changed)}")
+        if getattr(model, "peft_config", None) and (checkpoint / ADAPTER_CONFIG_NAME).is_file():
+            from titans_hf.lora import ADAPTER_NAME, lora_settings, read_adapter_config
+
+            saved = lora_settings(read_adapter_config(checkpoint / ADAPTER_CONFIG_NAME))
+            current = lora_settings(model.peft_config[ADAPTER_NAME])
+            changed = [f"{name} {saved[name]!r} -> {current[name]!r}" for name in saved if saved[name] != current[name]]
+            if changed:
+                raise ValueError(f"cannot resume from {checkpoint}: this model's LoRA differs from the checkpoint's "
+                                 f"{checkpoint / ADAPTER_CONFIG_NAME}: {'; '.join(changed)}")
         self._check_global_step(checkpoint)
 
     def _check_global_step(self, checkpoint: Path) -> None:
@@ -379,6 +394,12 @@ class TitansTrainer(Trainer):
             state_dict = gather_trainable_state_dict(self.model)
         model = self.accelerator.unwrap_model(self.model)
         memory_names = set(model.memory_state_dict()) if hasattr(model, "memory_state_dict") else set(state_dict)
+        adapter = None
+        if getattr(model, "peft_config", None):  # a LoRA of the base trained with the memory: PEFT's files beside it
+            from titans_hf.lora import adapter_files, is_lora_parameter
+
+            adapter = adapter_files(model, state_dict)
+            state_dict = {name: tensor for name, tensor in state_dict.items() if not is_lora_parameter(name)}
         memory = {name: tensor for name, tensor in state_dict.items() if name in memory_names}
         base = {name: tensor for name, tensor in state_dict.items() if name not in memory_names}
         if self.processing_class is not None:
@@ -386,7 +407,8 @@ class TitansTrainer(Trainer):
         atomic_write_json(Path(output_dir, TRAINING_ARGS_JSON_NAME),
                           {**json.loads(self.args.to_json_string()), "world_size": self.args.world_size})
         model_config = model.memory_folder_config() if hasattr(model, "memory_folder_config") else None
-        save_memory_folder(output_dir, getattr(model.config, "memory_config", None), memory, base, model_config)
+        save_memory_folder(output_dir, getattr(model.config, "memory_config", None), memory, base, model_config,
+                           adapter=adapter)
 
     def _save_checkpoint(self, model: nn.Module, trial) -> None:
         """The Trainer's checkpoint plus the sampler's state, into a fresh folder: what a save that was cut short
@@ -464,7 +486,19 @@ class TitansTrainer(Trainer):
         base_path = Path(resume_from_checkpoint, TRAINABLE_BASE_WEIGHTS_NAME)
         if base_path.is_file():
             state_dict.update(load_memory_weights(base_path))
-        load_trainable_state_dict(model if model is not None else self.model, state_dict, str(weights_path))
+        model = model if model is not None else self.model
+        adapter_path = Path(resume_from_checkpoint, ADAPTER_WEIGHTS_NAME)
+        if getattr(self.accelerator.unwrap_model(model), "peft_config", None):
+            from titans_hf.lora import adapter_state_dict
+
+            if not adapter_path.is_file():
+                raise FileNotFoundError(f"{adapter_path} not found: the model holds a LoRA adapter, and "
+                                        f"{resume_from_checkpoint} is the checkpoint of a model without one")
+            state_dict.update(adapter_state_dict(self.accelerator.unwrap_model(model), adapter_path))
+        elif adapter_path.is_file():
+            raise ValueError(f"cannot load {resume_from_checkpoint}: it holds a LoRA adapter ({adapter_path}), this "
+                             "model none; put it on with titans_hf.lora.add_lora first")
+        load_trainable_state_dict(model, state_dict, str(weights_path))
 
     def _load_best_model(self) -> None:
         logger.info("Loading best memory from %s (score: %s).", self.state.best_model_checkpoint, self.state.best_metric)
