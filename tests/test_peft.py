@@ -193,10 +193,12 @@ def test_a_saved_folder_holds_the_memory_and_peft_adapter_and_reloads_to_equal_l
     assert adapter_config["base_model_name_or_path"] == memory_config["base_model_name_or_path"] == str(
         tiny_qwen3_dir.resolve())
 
+    generated = model.generate(ids[:, :20], max_new_tokens=6, do_sample=False)
     for loaded in (TitansQwenForCausalLM.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder),
                    TitansQwenForCausalLM.from_base_and_memory(tiny_qwen3_dir, folder)):
         assert type(loaded) is TitansQwenForCausalLM
         assert torch.equal(logits(loaded, ids), expected)
+        assert torch.equal(loaded.generate(ids[:, :20], max_new_tokens=6, do_sample=False), generated)
         # loaded as saved: memory and LoRA trainable, the base frozen, so training can go on
         assert {n for n, p in loaded.named_parameters() if p.requires_grad} == set(parts(model)["memory"]) | set(
             parts(model)["lora"])
@@ -308,7 +310,8 @@ def test_a_plain_transformers_trainer_trains_and_saves_both(tiny_qwen3_dir, rows
 # ---- the Hub ----
 
 
-def test_push_to_hub_uploads_memory_and_adapter_and_the_auto_class_loads_both(hub, hub_token, tiny_qwen3_dir):  # noqa: F811
+def test_push_to_hub_uploads_memory_and_adapter_and_the_auto_class_loads_both(
+        hub, hub_token, tiny_qwen3_dir):  # noqa: F811
     from huggingface_hub import HfApi
 
     api = HfApi(endpoint=hub.endpoint, token=hub_token)

@@ -584,8 +584,9 @@ def _adapter_to_push(folder: Path, repo_id: str) -> tuple[dict[str, Any], Path] 
         if path.is_symlink():
             raise ValueError(f"{path}: is a link ({os.readlink(path)}); a memory folder holds its own files")
         if not path.is_file():
-            raise FileNotFoundError(f"{path}: not found; an adapter is {ADAPTER_CONFIG_NAME} and {ADAPTER_WEIGHTS_NAME} "
-                                    "together (written by save_pretrained of a model with a LoRA adapter)")
+            raise FileNotFoundError(f"{path}: not found; an adapter is {ADAPTER_CONFIG_NAME} and "
+                                    f"{ADAPTER_WEIGHTS_NAME} together (written by save_pretrained of a model with a "
+                                    "LoRA adapter)")
     from titans_hf.lora import PEFT_KEY_PREFIX, read_adapter_config  # needs peft, which only an adapter does
 
     read_adapter_config(paths[0])

@@ -39,7 +39,13 @@ from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import check_target_module_exists
 from torch import Tensor, nn
 
-from titans_hf.hub import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, hub_file, load_memory_weights, read_safetensors_header
+from titans_hf.hub import (
+    ADAPTER_CONFIG_NAME,
+    ADAPTER_WEIGHTS_NAME,
+    hub_file,
+    load_memory_weights,
+    read_safetensors_header,
+)
 
 if TYPE_CHECKING:
     from titans_hf.modeling import TitansQwenForCausalLM
@@ -116,8 +122,9 @@ def _lora_settings(values: dict[str, Any], source: str, own_config: bool = False
     if values.get("task_type") not in (None, "CAUSAL_LM"):
         raise ValueError(f"{source}: task_type={values.get('task_type')!r}; a TitansQwen is a causal LM (CAUSAL_LM)")
     if values.get("init_lora_weights", True) not in BASE_PRESERVING_INITS:
-        raise ValueError(f"{source}: init_lora_weights={values.get('init_lora_weights')!r} rewrites the base's weights; "
-                         f"the base stays frozen and as loaded, so only {list(BASE_PRESERVING_INITS)} are allowed")
+        raise ValueError(f"{source}: init_lora_weights={values.get('init_lora_weights')!r} rewrites the base's "
+                         f"weights; the base stays frozen and as loaded, so only {list(BASE_PRESERVING_INITS)} are "
+                         "allowed")
     for key in ("base_model_name_or_path", "revision", "peft_version"):
         if values.get(key) is not None and not isinstance(values[key], str):
             raise ValueError(f"{source}: {key}={values[key]!r} must be a string or null")
@@ -168,7 +175,8 @@ def add_lora(model: "TitansQwenForCausalLM", lora_config: LoraConfig) -> "Titans
     `target_modules` (names or suffixes, a regex, or "all-linear"; with `exclude_modules`, `layers_to_transform`)
     must reach base modules only; they are recorded as the full names of the adapted modules. Settings other than
     rank, alpha, dropout and rsLoRA (DoRA, modules_to_save, biases, initialisations that rewrite the base, ...) are
-    refused: the folder's formats and the frozen base leave no place for them."""
+    refused: the folder's formats and the frozen base leave no place for them. A model built on a loaded base
+    shares that base's modules, so the base object holds the LoRA layers too."""
     if not isinstance(lora_config, LoraConfig):
         raise ValueError(f"add_lora: lora_config must be a peft.LoraConfig, got {type(lora_config).__name__}")
     memory = model.config.memory_config
@@ -234,7 +242,8 @@ def adapter_files(model: nn.Module, state_dict: dict[str, Tensor] | None = None)
     return values, tensors
 
 
-def expected_adapter_tensors(model: nn.Module, config: LoraConfig, source: str = "adapter") -> dict[str, tuple[int, ...]]:
+def expected_adapter_tensors(model: nn.Module, config: LoraConfig,
+                             source: str = "adapter") -> dict[str, tuple[int, ...]]:
     """{adapter-file key: shape} of the LoRA `config` puts on `model` (adapted or not yet)."""
     modules = dict(model.named_modules())
     names = [name for name, module in modules.items() if isinstance(module, LoraLayer)] or _target_names(

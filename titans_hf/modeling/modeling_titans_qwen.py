@@ -226,9 +226,9 @@ def _refuse_adapted_base(base: Any) -> None:
     holds_adapters = bool(getattr(base, "peft_config", None))
     if holds_adapters or not isinstance(base, (str, os.PathLike, PreTrainedModel)):
         raise ValueError(f"from_base: the base is a {type(base).__name__}{' holding PEFT adapters' * holds_adapters}; "
-                         "pass the plain base (a Hub id, a folder or a loaded Qwen) and put the LoRA on the TitansQwen: "
-                         "titans_hf.lora.add_lora(TitansQwenForCausalLM.from_base(base, ...), LoraConfig(...)) trains "
-                         "the LoRA with the memory and saves both")
+                         "pass the plain base (a Hub id, a folder or a loaded Qwen) and put the LoRA on the "
+                         "TitansQwen: titans_hf.lora.add_lora(TitansQwenForCausalLM.from_base(base, ...), "
+                         "LoraConfig(...)) trains the LoRA with the memory and saves both")
 
 
 class TitansQwenPreTrainedModel(PreTrainedModel):
@@ -388,7 +388,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         memory_config = TitansMemoryConfig.from_pretrained(memory, revision=revision, **hub)
         weights_path = hub_file(memory, MEMORY_WEIGHTS_NAME, revision=revision, **hub)
         adapter_config_path = optional_hub_file(memory, ADAPTER_CONFIG_NAME, revision=revision, **hub)
-        if adapter_config_path is not None:  # a LoRA trained with the memory: its config is checked before the base loads
+        if adapter_config_path is not None:  # a LoRA trained with the memory: checked before the base loads
             from titans_hf.lora import read_adapter_config
 
             read_adapter_config(adapter_config_path)
@@ -518,9 +518,9 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         `PreTrainedModel` does."""
         if save_full_model or not self.config.memory_config.freeze_base:
             if getattr(self, "peft_config", None):
-                raise ValueError("save_pretrained(save_full_model=True): the model holds a LoRA adapter (titans_hf.lora), "
-                                 "whose layers rename the base's weights; save the memory and the adapter "
-                                 "(save_pretrained without save_full_model)")
+                raise ValueError("save_pretrained(save_full_model=True): the model holds a LoRA adapter "
+                                 "(titans_hf.lora), whose layers rename the base's weights; save the memory and the "
+                                 "adapter (save_pretrained without save_full_model)")
             super().save_pretrained(save_directory, *args, **kwargs)
             return
         self.save_memory(save_directory)

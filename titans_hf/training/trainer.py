@@ -1,12 +1,12 @@
 """`TitansTrainer`: a `transformers.Trainer` that trains, checkpoints, resumes and pushes only the memory.
 
 The base Qwen stays frozen, so a checkpoint holds the trainable weights (`memory_model.safetensors` plus
-`memory_config.json`), optimizer, scheduler, RNG, trainer and sampler state, the tokenizer and the training
-arguments: megabytes instead of the gigabytes of a full-model checkpoint. Everything else is the stock Trainer,
-launched as a single process or with `accelerate launch --config_file titans_hf/accelerate/*.yaml`; the overrides
-are the Trainer's saving, loading and pushing hooks (`save_model`, `_save`, `_load_from_checkpoint`,
-`push_to_hub`), its sampler hook and the per-epoch sampler position, each calling the Trainer's own code where it
-has any.
+`memory_config.json`; with a LoRA of the base, `titans_hf.lora`, PEFT's adapter files beside them), optimizer,
+scheduler, RNG, trainer and sampler state, the tokenizer and the training arguments: megabytes instead of the
+gigabytes of a full-model checkpoint. Everything else is the stock Trainer, launched as a single process or with
+`accelerate launch --config_file titans_hf/accelerate/*.yaml`; the overrides are the Trainer's saving, loading and
+pushing hooks (`save_model`, `_save`, `_load_from_checkpoint`, `push_to_hub`), its sampler hook and the per-epoch
+sampler position, each calling the Trainer's own code where it has any.
 """
 
 from __future__ import annotations
