@@ -10,6 +10,8 @@ A memory folder (or Hub repository) holds exactly
 - `config.json`: the model's config (`model_type: titans_qwen`, the base's config and the memory settings), so that
   `AutoConfig` and `AutoModelForCausalLM` / `pipeline` dispatch to the model class, which then loads as above
   (folders written before it existed load without it);
+- with a LoRA adapter of the base trained beside the memory (`titans_hf.lora`): PEFT's `adapter_config.json` and
+  `adapter_model.safetensors`, in PEFT's format;
 - `README.md` on the Hub: a model card rendered from `hub_cards/memory_model_card.md`.
 
 Everything read from such a folder is data: only the known settings are read from the config, nothing in it
@@ -33,6 +35,7 @@ from typing import Any, ClassVar
 
 import jinja2
 from huggingface_hub import (
+    _CACHED_NO_EXIST,
     CommitOperationAdd,
     EvalResult,
     HfApi,
@@ -68,6 +71,9 @@ MODEL_CONFIG_NAME = "config.json"
 MODEL_TYPE = "titans_qwen"
 # Base weights that were trained too (freeze_base=False): kept out of the memory file, but part of a checkpoint.
 TRAINABLE_BASE_WEIGHTS_NAME = "trainable_base_model.safetensors"
+# A LoRA adapter of the base trained with the memory (titans_hf.lora), in PEFT's own file names and format.
+ADAPTER_CONFIG_NAME = "adapter_config.json"
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 CARD_TEMPLATE_PATH = Path(__file__).parent / "hub_cards" / "memory_model_card.md"
 BASE_SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
 _REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,254}")
@@ -423,6 +429,34 @@ def hub_file(name_or_path: str | os.PathLike, filename: str, revision: str | Non
                                 "token: HF_TOKEN or `hf auth login`)") from error
 
 
+def optional_hub_file(name_or_path: str | os.PathLike, filename: str, revision: str | None = None,
+                      token: str | None = None, cache_dir: str | os.PathLike | None = None,
+                      local_files_only: bool = False) -> Path | None:
+    """`hub_file`, or None where the folder or repository has no such file: the Hub says so, or offline, the cache
+    recorded that it has none. Offline with nothing cached about the file, a warning says so and the file counts as
+    absent (a repository downloaded by an older titans_hf never asked for it)."""
+    folder = Path(name_or_path)
+    if folder.is_dir():
+        return folder / filename if (folder / filename).is_file() else None
+    offline = is_offline_mode() or local_files_only
+    if offline and is_hub_id(str(name_or_path)):
+        cached = try_to_load_from_cache(str(name_or_path), filename, cache_dir=cache_dir, revision=revision)
+        if cached is _CACHED_NO_EXIST:
+            return None
+        if cached is None:
+            logger.warning("%s: %s is not in the local Hugging Face cache and the Hub cannot be reached (offline); "
+                           "loading without it", name_or_path, filename)
+            return None
+    try:
+        return hub_file(name_or_path, filename, revision=revision, token=token, cache_dir=cache_dir,
+                        local_files_only=local_files_only)
+    except FileNotFoundError as error:
+        if isinstance(error.__cause__, EntryNotFoundError) and not isinstance(error.__cause__,
+                                                                              LocalEntryNotFoundError):
+            return None
+        raise
+
+
 def is_memory(name_or_path: str | os.PathLike, revision: str | None = None, **hub_kwargs: Any) -> bool:
     """Whether a folder or Hub repository holds a memory (its `memory_config.json`), as opposed to a full model.
 
@@ -448,12 +482,14 @@ def is_memory(name_or_path: str | os.PathLike, revision: str | None = None, **hu
 
 
 def save_memory_folder(save_directory: str | os.PathLike, config: TitansMemoryConfig | None, memory: dict[str, Any],
-                       trainable_base: dict[str, Any] | None = None, model_config: dict[str, Any] | None = None
-                       ) -> Path:
+                       trainable_base: dict[str, Any] | None = None, model_config: dict[str, Any] | None = None,
+                       adapter: tuple[dict[str, Any], dict[str, Any]] | None = None) -> Path:
     """Write a memory folder: the config (None for a model without one), the model's config for the Auto classes
-    (`model_config`, a dict with `model_type` titans_qwen, or None), the memory weights, and (a checkpoint of a model
-    whose base trains too) the trainable base weights. Each file is written under a temporary name and renamed; the
-    memory weights go last, so their presence means the folder is complete."""
+    (`model_config`, a dict with `model_type` titans_qwen, or None), the memory weights, (a checkpoint of a model
+    whose base trains too) the trainable base weights, and (a model with a LoRA adapter, `titans_hf.lora`) the
+    adapter as PEFT writes it: (adapter_config.json's dict, adapter_model.safetensors' tensors). Each file is written
+    under a temporary name and renamed; the memory weights go last, so their presence means the folder is complete.
+    Files of an earlier save into the folder that this one does not write (trainable base, adapter) are removed."""
     folder = Path(save_directory)
     folder.mkdir(parents=True, exist_ok=True)
     base_path = folder / TRAINABLE_BASE_WEIGHTS_NAME
@@ -462,6 +498,16 @@ def save_memory_folder(save_directory: str | os.PathLike, config: TitansMemoryCo
         atomic_write(base_path, lambda temporary: save_file(tensors, temporary, metadata={"format": "pt"}))
     elif base_path.exists():
         base_path.unlink()  # left by an earlier save into the same folder: it would be loaded on resume
+    if adapter is not None:
+        adapter_config, adapter_weights = adapter
+        tensors = _contiguous(adapter_weights)
+        atomic_write(folder / ADAPTER_WEIGHTS_NAME, lambda temporary: save_file(tensors, temporary,
+                                                                               metadata={"format": "pt"}))
+        atomic_write_json(folder / ADAPTER_CONFIG_NAME, adapter_config)
+    else:
+        for name in (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME):
+            if (folder / name).exists():
+                (folder / name).unlink()  # an earlier save's adapter would be loaded with this memory
     if config is not None:
         config.save_pretrained(folder)
     if model_config is not None:
@@ -525,12 +571,13 @@ def _evaluation_rows(results: dict | None) -> list[dict]:
 
 
 def render_memory_card(config: TitansMemoryConfig, results: dict | None = None, *, repo_id: str | None = None,
-                       datasets: list[str] | None = None) -> str:
+                       datasets: list[str] | None = None, adapter: dict[str, Any] | None = None) -> str:
     """README.md of a memory repository: Hub metadata (base model, library, tags, datasets, evaluation results),
     what the memory is, how it was trained, its evaluation table and the line that loads it.
 
     The base must be named by a Hub id: a local path never goes into a public card. `repo_id` is the repository
-    the card will live in (it appears in the loading snippet); `datasets` are Hub ids of the training data.
+    the card will live in (it appears in the loading snippet); `datasets` are Hub ids of the training data;
+    `adapter` the adapter_config.json of a LoRA adapter trained with the memory (`titans_hf.lora`), if any.
     """
     base_model = config.base_model_name_or_path
     if not base_model or not is_hub_id(base_model) or Path(base_model).exists():
@@ -550,7 +597,8 @@ def render_memory_card(config: TitansMemoryConfig, results: dict | None = None, 
         base_model_relation="adapter",
         library_name="titans_hf",
         pipeline_tag="text-generation",
-        tags=["titans", "long-term-memory", "long-context", config.base_shape["model_type"], config.variant],
+        tags=["titans", "long-term-memory", "long-context", config.base_shape["model_type"], config.variant,
+              *(["lora", "peft"] if adapter is not None else [])],
         datasets=datasets or None,
         model_name=repo_id or f"titans memory for {base_model}",
         eval_results=eval_results or None,
@@ -568,12 +616,42 @@ def render_memory_card(config: TitansMemoryConfig, results: dict | None = None, 
         titans_hf_version=config.titans_hf_version,
         evaluation_rows=rows,
         datasets=datasets or [],
+        adapter=adapter,
     )
     # Parsing it back checks that the YAML header is what the Hub will read.
     return ModelCard(content).content
 
 
 # ---- pushing ----
+
+def _adapter_to_push(folder: Path, repo_id: str) -> tuple[dict[str, Any], Path] | None:
+    """(the adapter_config.json to upload, the weights) of a folder holding a LoRA adapter beside its memory, else
+    None; both files are checked first (`titans_hf.lora.read_adapter_config`, a readable LoRA header). The uploaded
+    config names the repository itself as the model the adapter goes on: the base plus this memory, which is what
+    `AutoModelForCausalLM.from_pretrained(repo_id)` then loads (naming the bare base, it would load the base and
+    the LoRA and drop the memory)."""
+    paths = [folder / ADAPTER_CONFIG_NAME, folder / ADAPTER_WEIGHTS_NAME]
+    if not any(path.exists() for path in paths):
+        return None
+    for path in paths:
+        if path.is_symlink():
+            raise ValueError(f"{path}: is a link ({os.readlink(path)}); a memory folder holds its own files")
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: not found; an adapter is {ADAPTER_CONFIG_NAME} and "
+                                    f"{ADAPTER_WEIGHTS_NAME} together (written by save_pretrained of a model with a "
+                                    "LoRA adapter)")
+    from titans_hf.lora import PEFT_KEY_PREFIX, read_adapter_config  # needs peft, which only an adapter does
+
+    read_adapter_config(paths[0])
+    header = read_safetensors_header(paths[1])
+    wrong = [name for name in header if not (name.startswith(PEFT_KEY_PREFIX)
+                                             and name.endswith((".lora_A.weight", ".lora_B.weight")))]
+    if not header or wrong:
+        raise ValueError(f"{paths[1]}: not the weights of a LoRA adapter (tensors {wrong[:3] or 'none'})")
+    values = json.loads(paths[0].read_text(encoding="utf-8"))
+    values.update(base_model_name_or_path=repo_id, revision=None)
+    return values, paths[1]
+
 
 def push_memory_folder(folder: str | os.PathLike, repo_id: str, *, token: str | None = None,
                        endpoint: str | None = None, private: bool = False, commit_message: str | None = None,
@@ -583,9 +661,10 @@ def push_memory_folder(folder: str | os.PathLike, repo_id: str, *, token: str | 
     """Upload a memory folder to a Hub model repository and return the commit URL.
 
     The commit holds exactly memory_model.safetensors, memory_config.json, the folder's config.json (for the Auto
-    classes; its memory settings replaced by the pushed ones, no local path of the base in it) when it has one, and a
-    README.md rendered from hub_cards/memory_model_card.md; anything else in the folder stays local, and a file that
-    is a link is refused.
+    classes; its memory settings replaced by the pushed ones, no local path of the base in it) when it has one, the
+    LoRA adapter (adapter_model.safetensors, adapter_config.json naming the repository as its model) when it has one,
+    and a README.md rendered from hub_cards/memory_model_card.md; anything else in the folder stays local, and a file
+    that is a link is refused.
     `check_weights(config, {name: (shape, dtype)}, source)` (the model's `check_memory_weights`) vets the weights
     against the config before anything is sent. `base_model` / `revision` name the base on the Hub when the
     memory was trained on a local copy of it (they replace the local path in the uploaded config). The token comes
@@ -608,7 +687,9 @@ def push_memory_folder(folder: str | os.PathLike, repo_id: str, *, token: str | 
     if base_model is not None:
         config = dataclasses.replace(config, base_model_name_or_path=base_model, revision=revision)
     model_config = read_model_config(model_config_path) if model_config_path.is_file() else None
-    card = render_memory_card(config, results, repo_id=repo_id, datasets=datasets)
+    adapter = _adapter_to_push(folder, repo_id)
+    card = render_memory_card(config, results, repo_id=repo_id, datasets=datasets,
+                              adapter=None if adapter is None else adapter[0])
     if is_offline_mode():
         raise OfflineModeIsEnabled(f"Cannot push {folder} to {repo_id}: offline mode is on (HF_HUB_OFFLINE=1); "
                                    "unset it to push.")
@@ -622,6 +703,12 @@ def push_memory_folder(folder: str | os.PathLike, repo_id: str, *, token: str | 
         CommitOperationAdd(path_in_repo=MEMORY_CONFIG_NAME, path_or_fileobj=config_bytes),
         CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=card.encode("utf-8")),
     ]
+    if adapter is not None:
+        operations[2:2] = [
+            CommitOperationAdd(path_in_repo=ADAPTER_WEIGHTS_NAME, path_or_fileobj=str(folder / ADAPTER_WEIGHTS_NAME)),
+            CommitOperationAdd(path_in_repo=ADAPTER_CONFIG_NAME, path_or_fileobj=(
+                json.dumps(adapter[0], indent=2, ensure_ascii=False) + "\n").encode("utf-8")),
+        ]
     if model_config is not None:
         model_config["memory_config"] = config.to_dict()
         model_config["text_config"].pop("_name_or_path", None)

@@ -39,6 +39,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from titans_hf.hub import (
+    ADAPTER_CONFIG_NAME,
     MEMORY_WEIGHTS_NAME,
     TitansMemoryConfig,
     base_fingerprint,
@@ -48,6 +49,7 @@ from titans_hf.hub import (
     is_hub_id,
     is_memory,
     load_memory_weights,
+    optional_hub_file,
     push_memory_folder,
     read_safetensors_header,
     recorded_base,
@@ -310,6 +312,17 @@ class TitansMemoryOffReference(nn.Module):
             return self.policy(*args, **kwargs)
 
 
+def _refuse_adapted_base(base: Any) -> None:
+    """A base wrapped or adapted by PEFT would keep its adapter frozen under the memory and out of every save:
+    refuse it, naming the route that trains a LoRA with the memory."""
+    holds_adapters = bool(getattr(base, "peft_config", None))
+    if holds_adapters or not isinstance(base, (str, os.PathLike, PreTrainedModel)):
+        raise ValueError(f"from_base: the base is a {type(base).__name__}{' holding PEFT adapters' * holds_adapters}; "
+                         "pass the plain base (a Hub id, a folder or a loaded Qwen) and put the LoRA on the "
+                         "TitansQwen: titans_hf.lora.add_lora(TitansQwenForCausalLM.from_base(base, ...), "
+                         "LoraConfig(...)) trains the LoRA with the memory and saves both")
+
+
 class TitansQwenPreTrainedModel(PreTrainedModel):
     config: TitansQwenConfig
     base_model_prefix = "model"
@@ -418,6 +431,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         if unknown:
             raise ValueError(f"from_base: unknown memory settings {unknown}; valid: "
                              f"{list(TitansMemoryConfig.setting_names())}")
+        _refuse_adapted_base(base)
         if isinstance(base, PreTrainedModel):
             backbone, name = base, base.config.name_or_path
         else:
@@ -468,6 +482,11 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         hub = {"token": token, "cache_dir": cache_dir, "local_files_only": local_files_only}
         memory_config = TitansMemoryConfig.from_pretrained(memory, revision=revision, **hub)
         weights_path = hub_file(memory, MEMORY_WEIGHTS_NAME, revision=revision, **hub)
+        adapter_config_path = optional_hub_file(memory, ADAPTER_CONFIG_NAME, revision=revision, **hub)
+        if adapter_config_path is not None:  # a LoRA trained with the memory: checked before the base loads
+            from titans_hf.lora import read_adapter_config
+
+            read_adapter_config(adapter_config_path)
         if base is None:
             base = memory_config.base_model_name_or_path
             if base and not Path(memory).is_dir() and (not is_hub_id(base) or Path(base).exists()):
@@ -495,6 +514,10 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         model = cls.from_base(base, memory_config, revision=base_revision, dtype=dtype,
                               attn_implementation=attn_implementation, load_kwargs={**load_kwargs, **hub})
         model.load_memory_state_dict(load_memory_weights(weights_path), source=str(weights_path))
+        if adapter_config_path is not None:
+            from titans_hf.lora import load_lora
+
+            load_lora(model, memory, revision=revision, **hub)
         return model
 
     @classmethod
@@ -589,14 +612,24 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         saves an adapter. `save_full_model=True` (or a base that trains too) saves the whole model as any
         `PreTrainedModel` does."""
         if save_full_model or not self.config.memory_config.freeze_base:
+            if getattr(self, "peft_config", None):
+                raise ValueError("save_pretrained(save_full_model=True): the model holds a LoRA adapter "
+                                 "(titans_hf.lora), whose layers rename the base's weights; save the memory and the "
+                                 "adapter (save_pretrained without save_full_model)")
             super().save_pretrained(save_directory, *args, **kwargs)
             return
         self.save_memory(save_directory)
 
     def save_memory(self, save_directory: str | os.PathLike) -> Path:
-        """The memory alone, whatever `freeze_base` says."""
+        """The memory alone, whatever `freeze_base` says, and beside it the LoRA adapter of the base if the model
+        holds one (`titans_hf.lora`: PEFT's adapter_config.json and adapter_model.safetensors)."""
+        adapter = None
+        if getattr(self, "peft_config", None):
+            from titans_hf.lora import adapter_files
+
+            adapter = adapter_files(self)
         return save_memory_folder(save_directory, self.config.memory_config, self.memory_state_dict(),
-                                  model_config=self.memory_folder_config())
+                                  model_config=self.memory_folder_config(), adapter=adapter)
 
     def memory_folder_config(self) -> dict[str, Any]:
         """The `config.json` of a memory folder: this model's config (the base's config as `text_config`, the

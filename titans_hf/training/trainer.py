@@ -1,12 +1,12 @@
 """`TitansTrainer`: a `transformers.Trainer` that trains, checkpoints, resumes and pushes only the memory.
 
 The base Qwen stays frozen, so a checkpoint holds the trainable weights (`memory_model.safetensors` plus
-`memory_config.json`), optimizer, scheduler, RNG, trainer and sampler state, the tokenizer and the training
-arguments: megabytes instead of the gigabytes of a full-model checkpoint. Everything else is the stock Trainer,
-launched as a single process or with `accelerate launch --config_file titans_hf/accelerate/*.yaml`; the overrides
-are the Trainer's saving, loading and pushing hooks (`save_model`, `_save`, `_load_from_checkpoint`,
-`push_to_hub`), its sampler hook and the per-epoch sampler position, each calling the Trainer's own code where it
-has any.
+`memory_config.json`; with a LoRA of the base, `titans_hf.lora`, PEFT's adapter files beside them), optimizer,
+scheduler, RNG, trainer and sampler state, the tokenizer and the training arguments: megabytes instead of the
+gigabytes of a full-model checkpoint. Everything else is the stock Trainer, launched as a single process or with
+`accelerate launch --config_file titans_hf/accelerate/*.yaml`; the overrides are the Trainer's saving, loading and
+pushing hooks (`save_model`, `_save`, `_load_from_checkpoint`, `push_to_hub`), its sampler hook and the per-epoch
+sampler position, each calling the Trainer's own code where it has any.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.utils.data import Sampler
+from accelerate.utils import extract_model_from_parallel
 from transformers import EvalPrediction, Trainer
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy
@@ -43,6 +44,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy
 from titans_hf.data.collator import CompletionsCollator, TitansDataCollator
 from titans_hf.data.sampler import ChunkCurriculumSampler, ResumableSampler, count_chunks
 from titans_hf.hub import (
+    ADAPTER_CONFIG_NAME,
+    ADAPTER_WEIGHTS_NAME,
     MEMORY_CONFIG_NAME,
     MEMORY_WEIGHTS_NAME,
     MODEL_CONFIG_NAME,
@@ -125,6 +128,18 @@ def load_memory_checkpoint(model: nn.Module, folder: str | os.PathLike) -> None:
     base_path = Path(folder, TRAINABLE_BASE_WEIGHTS_NAME)
     if base_path.is_file():
         state_dict.update(load_memory_weights(base_path))
+    adapter_path = Path(folder, ADAPTER_WEIGHTS_NAME)
+    unwrapped = extract_model_from_parallel(model)
+    if getattr(unwrapped, "peft_config", None):
+        from titans_hf.lora import adapter_state_dict
+
+        if not adapter_path.is_file():
+            raise FileNotFoundError(f"{adapter_path} not found: the model holds a LoRA adapter, and {folder} is the "
+                                    "checkpoint of a model without one")
+        state_dict.update(adapter_state_dict(unwrapped, adapter_path))
+    elif adapter_path.is_file():
+        raise ValueError(f"cannot load {folder}: it holds a LoRA adapter ({adapter_path}), this model none; put it "
+                         "on with titans_hf.lora.add_lora first")
     load_trainable_state_dict(model, state_dict, str(weights_path))
 
 
@@ -223,6 +238,10 @@ class TitansTrainer(Trainer):
     def __init__(self, model: nn.Module, args: TitansTrainingArguments, data_collator=None, **kwargs):
         if not isinstance(args, TitansTrainingArguments):
             raise ValueError(f"args must be TitansTrainingArguments, got {type(args).__name__}")
+        if type(model).__module__.startswith("peft.") and hasattr(getattr(model, "config", None), "memory_config"):
+            raise ValueError(f"model is a {type(model).__name__} (peft.get_peft_model) around a TitansQwen: PEFT froze "
+                             "its memory and would save the adapter alone; put the LoRA on the model in place instead, "
+                             "titans_hf.lora.add_lora(model, LoraConfig(...)), which trains and saves both")
         if not trainable_parameter_names(model):
             raise ValueError("model has no trainable parameter: nothing for TitansTrainer to train or checkpoint")
         memory_config = getattr(model.config, "memory_config", None)
@@ -385,7 +404,7 @@ class TitansTrainer(Trainer):
         """The names of the files the final save writes into output_dir: the memory folder's, the training
         arguments' and the tokenizer's (learnt by saving it into a scratch folder)."""
         names = [TRAINING_ARGS_JSON_NAME, MEMORY_CONFIG_NAME, MODEL_CONFIG_NAME, MEMORY_WEIGHTS_NAME,
-                 TRAINABLE_BASE_WEIGHTS_NAME]
+                 TRAINABLE_BASE_WEIGHTS_NAME, ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME]
         if self.processing_class is not None:
             with tempfile.TemporaryDirectory() as scratch:
                 self.processing_class.save_pretrained(scratch)
@@ -433,6 +452,15 @@ class TitansTrainer(Trainer):
             if changed:
                 raise ValueError(f"cannot resume from {checkpoint}: this model differs from the checkpoint's "
                                  f"{checkpoint / MEMORY_CONFIG_NAME}: {'; '.join(changed)}")
+        if getattr(model, "peft_config", None) and (checkpoint / ADAPTER_CONFIG_NAME).is_file():
+            from titans_hf.lora import ADAPTER_NAME, lora_settings, read_adapter_config
+
+            saved = lora_settings(read_adapter_config(checkpoint / ADAPTER_CONFIG_NAME))
+            current = lora_settings(model.peft_config[ADAPTER_NAME])
+            changed = [f"{name} {saved[name]!r} -> {current[name]!r}" for name in saved if saved[name] != current[name]]
+            if changed:
+                raise ValueError(f"cannot resume from {checkpoint}: this model's LoRA differs from the checkpoint's "
+                                 f"{checkpoint / ADAPTER_CONFIG_NAME}: {'; '.join(changed)}")
         self._check_global_step(checkpoint)
 
     def _check_global_step(self, checkpoint: Path) -> None:
@@ -502,6 +530,12 @@ class TitansTrainer(Trainer):
             state_dict = gather_trainable_state_dict(self.model)
         model = self.accelerator.unwrap_model(self.model)
         memory_names = set(model.memory_state_dict()) if hasattr(model, "memory_state_dict") else set(state_dict)
+        adapter = None
+        if getattr(model, "peft_config", None):  # a LoRA of the base trained with the memory: PEFT's files beside it
+            from titans_hf.lora import adapter_files, is_lora_parameter
+
+            adapter = adapter_files(model, state_dict)
+            state_dict = {name: tensor for name, tensor in state_dict.items() if not is_lora_parameter(name)}
         memory = {name: tensor for name, tensor in state_dict.items() if name in memory_names}
         base = {name: tensor for name, tensor in state_dict.items() if name not in memory_names}
         if self.processing_class is not None:
@@ -509,7 +543,8 @@ class TitansTrainer(Trainer):
         atomic_write_json(Path(output_dir, TRAINING_ARGS_JSON_NAME),
                           {**json.loads(self.args.to_json_string()), "world_size": self.args.world_size})
         model_config = model.memory_folder_config() if hasattr(model, "memory_folder_config") else None
-        save_memory_folder(output_dir, getattr(model.config, "memory_config", None), memory, base, model_config)
+        save_memory_folder(output_dir, getattr(model.config, "memory_config", None), memory, base, model_config,
+                           adapter=adapter)
         if Path(output_dir).resolve() == Path(self.args.output_dir).resolve():  # the final save, not a checkpoint
             folder = Path(output_dir)
             record_outputs(folder, [name for name in self._final_save_names() if (folder / name).is_file()],
