@@ -136,9 +136,9 @@ def train(train_type: str, base: Path, tokenizer, store: Path, work: Path, args:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=1200)
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--learning-rate", type=float, default=5e-3)
+    parser.add_argument("--learning-rate", type=float, default=1e-2)
     parser.add_argument("--dpo-beta", type=float, default=1.0)
     parser.add_argument("--chunks", type=int, default=3, help="Chunks of 16 tokens per prompt (the fact in the first).")
     parser.add_argument("--train-rows", type=int, default=512)
