@@ -39,6 +39,16 @@ def tokenizer_corpus() -> list[str]:
     return (facts + questions + PROSE) * 20
 
 
+# The files that take minutes, scheduled first so that `pytest -n 2 --dist loadfile` (scripts/test.sh) starts them on
+# different workers and the rest fills in beside them.
+SLOWEST_FILES = ("test_readme.py", "test_recall_recipe.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: SLOWEST_FILES.index(item.path.name) if item.path.name in SLOWEST_FILES
+               else len(SLOWEST_FILES))
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Torch at one intra-op thread for a module: tiny matmuls gain nothing from two, and lose badly when other jobs
