@@ -4,4 +4,4 @@
 set -euo pipefail
 source "$(dirname "$0")/setup_env.sh" test
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
-exec .venv/bin/python -m pytest -q -n 2 --dist loadfile "$@"
+exec .venv/bin/python -m pytest -q -n 2 --dist loadgroup "$@"

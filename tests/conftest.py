@@ -39,14 +39,15 @@ def tokenizer_corpus() -> list[str]:
     return (facts + questions + PROSE) * 20
 
 
-# The files that take minutes, scheduled first so that `pytest -n 2 --dist loadfile` (scripts/test.sh) starts them on
-# different workers and the rest fills in beside them.
-SLOWEST_FILES = ("test_readme.py", "test_recall_recipe.py")
+# The tests that take minutes, scheduled first: `pytest -n 2 --dist loadgroup` (scripts/test.sh) hands out tests in
+# this order, one at a time as workers free up, so these two start at once on different workers and the rest fills in
+# beside them (`--dist loadfile` would start the files with the most tests first, and these last).
+SLOWEST_TESTS = ("test_every_readme_block_runs_as_written",
+                 "test_readme_recall_block_trains_evaluates_reports_and_reuses_base_and_data")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: SLOWEST_FILES.index(item.path.name) if item.path.name in SLOWEST_FILES
-               else len(SLOWEST_FILES))
+    items.sort(key=lambda item: SLOWEST_TESTS.index(item.name) if item.name in SLOWEST_TESTS else len(SLOWEST_TESTS))
 
 
 @pytest.fixture(scope="module")
