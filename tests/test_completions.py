@@ -173,3 +173,58 @@ def test_titans_trainer_on_grpo_rows_in_python(tiny_qwen3_dir, tiny_tokenizer_di
     assert any(not torch.equal(model.memory_state_dict()[name], tensor) for name, tensor in start.items())
     norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
     assert norms and all(norm > 0 for norm in norms)
+
+
+NAMES = ["Mary", "John", "Sandra", "Daniel", "Fred"]  # 4 train rows (--train_ratio 0.8), 1 held out
+
+
+@pytest.mark.parametrize("train_type", ["dpo", "grpo"])
+def test_two_process_ddp_on_a_store_takes_the_steps_of_one_process(tiny_qwen3_dir, tiny_tokenizer_dir, tmp_path,
+                                                                   train_type):
+    """`accelerate launch` of scripts/train.py on a dpo / grpo store, two gloo ranks of one row each, takes the
+    same SGD steps as one process with both rows in its batch: DDP averages the ranks' gradients, which for DPO's
+    mean over pairs and GRPO's mean over equally many answer tokens is the gradient of the two-row batch."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    if train_type == "dpo":
+        records = [{"prompt": STORY.replace("Mary", name), "chosen": " kitchen", "rejected": " garden"}
+                   for name in NAMES]
+    else:
+        records = [{"prompt": STORY.replace("Mary", name), "responses": [" kitchen", " garden", " office"],
+                    "rewards": [1.0, float(index), -0.5]} for index, name in enumerate(NAMES)]
+    [store] = prepare(write_jsonl(tmp_path / "rows.jsonl", records), tmp_path / "rows.h5", tiny_tokenizer_dir,
+                      train_type=train_type)
+    flags = [
+        "--dataset", "titans_tokens", "--train_type", train_type, "--data_files", str(store), "--train_ratio", "0.8",
+        "--model_name_or_path", str(tiny_qwen3_dir), "--chunk_size", str(CHUNK), "--memory_layers", "1",
+        "--memory_chunk_size", "4", "--memory_head_dim", "16", "--gradient_accumulation_steps", "1",
+        "--optim", "sgd", "--learning_rate", "0.5", "--max_steps", "2", "--save_strategy", "no", "--report_to",
+        "none", "--disable_tqdm", "true", "--dpo_beta", "0.5",
+    ]  # fmt: skip
+    repo = Path(__file__).resolve().parent.parent
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(repo / "titans_hf" / "accelerate" / "cpu_ddp.yaml"), str(repo / "scripts" / "train.py"), *flags,
+               "--per_device_train_batch_size", "1", "--output_dir", str(tmp_path / "ddp")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path / "hf_home")}
+    result = subprocess.run(command, env=env, cwd=repo, capture_output=True, text=True)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    assert json.loads((tmp_path / "ddp" / "training_args.json").read_text())["world_size"] == 2
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank
+    try:
+        assert cli_main(["train", *flags, "--per_device_train_batch_size", "2", "--use_cpu", "true",
+                         "--output_dir", str(tmp_path / "one")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    ddp, one = (load_file(tmp_path / run / MEMORY_WEIGHTS_NAME) for run in ("ddp", "one"))
+    start = memory_model(tiny_qwen3_dir).memory_state_dict()
+    assert ddp.keys() == one.keys() == start.keys()
+    for name, tensor in one.items():
+        torch.testing.assert_close(ddp[name], tensor, atol=1e-6, rtol=1e-4, msg=name)
+    assert any(not torch.equal(one[name], tensor) for name, tensor in start.items())

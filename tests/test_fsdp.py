@@ -1,8 +1,9 @@
 """One training step of TitansQwen (frozen base, memory trainable) under raw FSDP2 `fully_shard`, two gloo CPU
-processes, against the same step taken by one process on both halves of the batch.
+processes, against the same step taken by one process on both halves of the batch: on labelled windows, and on
+dpo + grpo batches (a prompt and a group of completions, the DPO reference the memory-off model).
 
 FSDP through accelerate/Trainer on CPU silently becomes DDP (NOTES.md), so the sharded path is exercised directly.
-This file is also the worker script: `python test_fsdp.py RANK WORLD PORT MODEL_DIR OUT_DIR`.
+This file is also the worker script: `python test_fsdp.py lm|completions RANK WORLD PORT MODEL_DIR OUT_DIR`.
 """
 
 import json
@@ -10,6 +11,7 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from gloo_workers import exit_without_finalising, run_two_ranks
 
@@ -35,7 +37,33 @@ def batch(rank: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, labels
 
 
-def worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
+def completion_batches(rank: int, vocab: int) -> tuple[dict, dict]:
+    """A rank's dpo batch (a 20-token prompt, chosen and rejected answers) and grpo batch (a 13-token prompt, three
+    responses with rewards), as a CompletionsCollator makes them."""
+    from titans_hf.data.collator import CompletionsCollator
+
+    generator = torch.Generator().manual_seed(200 + rank)
+    ids = torch.randint(1, vocab, (33 + 3 * 4,), generator=generator).tolist()
+    collate = CompletionsCollator(pad_token_id=0, chunk_size=CHUNKED["chunk_size"])
+    dpo = collate([{"prompt_ids": ids[:20], "chosen_ids": ids[33:35], "rejected_ids": ids[35:38]}])
+    grpo = collate([{"prompt_ids": ids[20:33], "completion_ids": [ids[38:41], ids[41:43], ids[43:45]],
+                     "completion_mask": [[1, 1, 1], [1, 1], [1, 1]], "rewards": [1.0, 0.0, -0.5 * rank]}])
+    return dpo, grpo
+
+
+def rank_loss(model, mode: str, rank: int) -> torch.Tensor:
+    """The loss of one rank's batch: the LM loss of its windows, or the DPO + GRPO loss of its completions."""
+    from titans_hf.training.trainer import completions_loss
+
+    vocab = model.config.text_config.vocab_size
+    if mode == "lm":
+        ids, labels = batch(rank, vocab)
+        return model(ids, labels=labels).loss
+    dpo, grpo = completion_batches(rank, vocab)
+    return completions_loss(model, dpo, dpo_beta=0.5) + completions_loss(model, grpo, dpo_beta=0.5)
+
+
+def worker(mode: str, rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
     from torch.distributed.fsdp import fully_shard
@@ -47,12 +75,12 @@ def worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> No
     fully_shard(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(trainable, lr=LEARNING_RATE)
-    ids, labels = batch(rank, model.config.text_config.vocab_size)
-    loss = model(ids, labels=labels).loss
+    loss = rank_loss(model, mode, rank)
     loss.backward()
     frozen_grads = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
     optimizer.step()
-    full = {n: p.full_tensor().detach().contiguous() for n, p in model.named_parameters()}
+    # frozen layers may still be gathered after a completions backward (plain tensors, not DTensors)
+    full = {n: getattr(p, "full_tensor", lambda: p)().detach().contiguous() for n, p in model.named_parameters()}
     losses = [None] * world
     dist.all_gather_object(losses, loss.item())
     if rank == 0:
@@ -62,10 +90,11 @@ def worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> No
     dist.destroy_process_group()
 
 
-def test_fsdp2_training_step_matches_single_process(tmp_path, tiny_qwen3_dir):
+@pytest.mark.parametrize("mode", ["lm", "completions"])
+def test_fsdp2_training_step_matches_single_process(tmp_path, tiny_qwen3_dir, mode):
     from safetensors.torch import load_file
 
-    run_two_ranks(__file__, [], [str(tiny_qwen3_dir), str(tmp_path)])
+    run_two_ranks(__file__, [mode], [str(tiny_qwen3_dir), str(tmp_path)])
     result = json.loads((tmp_path / "result.json").read_text())
     sharded = load_file(str(tmp_path / "params.safetensors"))
 
@@ -76,8 +105,7 @@ def test_fsdp2_training_step_matches_single_process(tmp_path, tiny_qwen3_dir):
     try:
         model = build(tiny_qwen3_dir)
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        vocab = model.config.text_config.vocab_size
-        losses = [model(*batch(rank, vocab)[:1], labels=batch(rank, vocab)[1]).loss for rank in range(2)]
+        losses = [rank_loss(model, mode, rank) for rank in range(2)]
         ((losses[0] + losses[1]) / 2).backward()
         torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE).step()
     finally:
@@ -96,5 +124,5 @@ def test_fsdp2_training_step_matches_single_process(tmp_path, tiny_qwen3_dir):
 
 
 if __name__ == "__main__":
-    worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6])
     exit_without_finalising()

@@ -113,10 +113,12 @@ class PreviousChunk:
 
 @dataclass
 class TitansCausalLMOutput(CausalLMOutputWithPast):
-    """`CausalLMOutputWithPast` plus, on request, the greedy prediction and the loss of every labelled token."""
+    """`CausalLMOutputWithPast` plus, on request, the greedy prediction and the loss of every labelled token, or
+    the log-probabilities of a group of completions of each prompt."""
 
     label_predictions: torch.LongTensor | None = None
     token_losses: torch.FloatTensor | None = None
+    completion_log_probs: torch.FloatTensor | None = None
 
 
 @dataclass
@@ -707,10 +709,19 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         1 on their tokens), all of which continue from that one memory state. Returns [batch, group, tokens],
         0 where the mask is 0; differentiable, through the prompt's memory updates too (with a cache, chunks are
         not recomputed in backward: the prompt's activations stay in memory). What DPO (a group of 2) and GRPO
-        score; equal to the log-probabilities of each completion read after its prompt as one row."""
-        if prompt_ids.dim() != 2 or prompt_ids.shape[1] == 0:
+        score; equal to the log-probabilities of each completion read after its prompt as one row.
+
+        The same as `model(input_ids=prompt_ids, attention_mask=prompt_attention_mask, completion_ids=...,
+        completion_mask=...).completion_log_probs`, the call to make through a DDP / FSDP wrapper."""
+        return self(input_ids=prompt_ids, attention_mask=prompt_attention_mask, completion_ids=completion_ids,
+                    completion_mask=completion_mask).completion_log_probs
+
+    def _score_completions(self, prompt_ids: torch.LongTensor, prompt_attention_mask: Tensor | None,
+                           completion_ids: torch.LongTensor, completion_mask: Tensor | None) -> Tensor:
+        """`completion_log_probs`' work, run by `forward`: the prompt into a cache, then every completion from it."""
+        if prompt_ids is None or prompt_ids.dim() != 2 or prompt_ids.shape[1] == 0:
             raise ValueError(f"completion_log_probs: prompt_ids must be [batch, tokens >= 1], got "
-                             f"{tuple(prompt_ids.shape)}: the first completion token is predicted from the prompt")
+                             f"{None if prompt_ids is None else tuple(prompt_ids.shape)}: the first completion token is predicted from the prompt")
         if completion_ids.dim() != 3 or completion_ids.shape[0] != prompt_ids.shape[0]:
             raise ValueError(f"completion_log_probs: completion_ids must be [batch {prompt_ids.shape[0]}, group, "
                              f"tokens], got {tuple(completion_ids.shape)}")
@@ -719,17 +730,19 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
             prompt_attention_mask = torch.ones_like(prompt_ids)
         if completion_mask is None:
             completion_mask = torch.ones_like(completion_ids)
+        # `forward`, not `self(...)`: inside the call a DDP / FSDP wrapper made, its hooks must not run again
         cache = TitansCache(self.config)
-        last = self(input_ids=prompt_ids, attention_mask=prompt_attention_mask, cache=cache, use_cache=True,
-                    logits_to_keep=1).logits
+        last = self.forward(input_ids=prompt_ids, attention_mask=prompt_attention_mask, cache=cache, use_cache=True,
+                            logits_to_keep=1).logits
         cache.batch_repeat_interleave(group)
         tokens, mask = completion_ids.flatten(0, 1), completion_mask.flatten(0, 1)
         attention_mask = torch.cat([prompt_attention_mask.repeat_interleave(group, 0), mask.to(prompt_attention_mask)], 1)
-        logits = self(input_ids=tokens, attention_mask=attention_mask, cache=cache, use_cache=True,
-                      logits_to_keep=length).logits
+        logits = self.forward(input_ids=tokens, attention_mask=attention_mask, cache=cache, use_cache=True,
+                              logits_to_keep=length).logits
         logits = torch.cat([last.repeat_interleave(group, 0), logits[:, :-1]], dim=1)
         log_probs = torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        return (log_probs * mask).view(batch_size, group, length)
+        # not a view: FSDP2 hooks the outputs of a call for backward, and warns of views (in-place ops drop the hook)
+        return log_probs.view(batch_size, group, length) * completion_mask
 
     # ---- activation checkpointing ----
 
@@ -974,6 +987,8 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         return_token_losses: bool = False,
         inputs_embeds: torch.FloatTensor | None = None,
         output_hidden_states: bool | None = None,
+        completion_ids: torch.LongTensor | None = None,
+        completion_mask: Tensor | None = None,
         **kwargs,
     ) -> "TitansCausalLMOutput":
         """Stream `input_ids` (or `inputs_embeds`, the embeddings of tokens) through the chunks, carrying the
@@ -995,7 +1010,20 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         logits and hidden states at padding positions mean nothing (zeros where a row's batch starts after them),
         and padding positions predict no label.
         `position_ids` from callers are ignored: positions restart at every chunk.
+
+        With `completion_ids` [batch, group, tokens] (and `completion_mask`), `input_ids` / `attention_mask` are
+        the prompts and the output holds only `completion_log_probs` [batch, group, tokens]: each prompt read once,
+        every completion scored from the memory state it leaves (see `completion_log_probs`). This is how the DPO
+        and GRPO losses of dpo / grpo rows call the model, so that a DDP or FSDP wrapper sees the call.
         """
+        if completion_ids is not None:
+            given = [name for name, value in (("labels", labels), ("cache", cache), ("use_cache", use_cache or None),
+                                              ("inputs_embeds", inputs_embeds)) if value is not None]
+            if given:
+                raise ValueError(f"forward: completion_ids score completions of input_ids from a fresh stream; "
+                                 f"{', '.join(given)} cannot be given with them")
+            return TitansCausalLMOutput(completion_log_probs=self._score_completions(
+                input_ids, attention_mask, completion_ids, completion_mask))
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("forward: pass exactly one of input_ids and inputs_embeds")
         inputs = input_ids if inputs_embeds is None else inputs_embeds

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import Sampler
 from accelerate.utils import extract_model_from_parallel
 from transformers import EvalPrediction, Trainer
@@ -177,9 +178,12 @@ def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return centred / (rewards.std(dim=1, keepdim=True) + 1e-4)
 
 
-def completions_loss(model: nn.Module, inputs: dict[str, torch.Tensor], dpo_beta: float) -> torch.Tensor:
+def completions_loss(model: nn.Module, inputs: dict[str, torch.Tensor], dpo_beta: float,
+                     titans: nn.Module | None = None) -> torch.Tensor:
     """The loss of a batch of prompts with a group of completions each, every prompt streamed through the memory
-    once (`TitansQwenForCausalLM.completion_log_probs`).
+    once (the model's forward with `completion_ids`, `TitansQwenForCausalLM.completion_log_probs`). `model` may be
+    a DDP / FSDP wrapper; `titans` is the TitansQwen inside it (default: `model` itself), whose memory the
+    reference switches off.
 
     - dpo (group = chosen, rejected): DPO's sigmoid loss, -log sigmoid(beta * (policy margin - reference margin)),
       the reference being the same model with its memory switched off (the frozen base, chunk by chunk).
@@ -189,16 +193,28 @@ def completions_loss(model: nn.Module, inputs: dict[str, torch.Tensor], dpo_beta
       behaviour log-probabilities, so there is no ratio to clip: each group gives the first, on-policy step's
       gradient (REINFORCE with the group's mean as baseline). No KL term.
     """
-    scored = {key: inputs[key] for key in ("prompt_ids", "completion_ids", "prompt_attention_mask", "completion_mask")}
-    log_probs = model.completion_log_probs(**scored)
+    titans = model if titans is None else titans
+    if titans.config.memory_config.attend_previous_chunk:
+        # the completions attend to the prompt's last chunk through the cache, so that chunk's layer calls get
+        # gradient after the completions' layer calls, at whose end of backward FSDP2 would reshard the layer: keep
+        # frozen FSDP units (the base's layers, which no step changes) gathered through backward; the next forward
+        # reshards them. Trainable units (the root, with the memory) reshard as usual, before the optimizer step.
+        for module in titans.modules():
+            if isinstance(module, FSDPModule) and not any(p.requires_grad for p in module.parameters()):
+                module.set_reshard_after_backward(False, recurse=False)
+    scored = {"input_ids": inputs["prompt_ids"], "attention_mask": inputs["prompt_attention_mask"],
+              "completion_ids": inputs["completion_ids"], "completion_mask": inputs["completion_mask"]}
+    if "rewards" not in inputs:
+        if inputs["completion_ids"].shape[1] != 2:
+            raise ValueError(f"dpo batches hold a chosen and a rejected answer per prompt, got "
+                             f"{inputs['completion_ids'].shape[1]}")
+        with torch.no_grad(), titans.memory_disabled():
+            reference = model(**scored).completion_log_probs
+    log_probs = model(**scored).completion_log_probs
     mask = inputs["completion_mask"].to(log_probs.dtype)
     if "rewards" in inputs:
         advantages = group_advantages(inputs["rewards"].to(log_probs.device, log_probs.dtype))
         return -(advantages.unsqueeze(-1) * log_probs * mask).sum() / mask.sum().clamp(min=1)
-    if log_probs.shape[1] != 2:
-        raise ValueError(f"dpo batches hold a chosen and a rejected answer per prompt, got {log_probs.shape[1]}")
-    with torch.no_grad(), model.memory_disabled():
-        reference = model.completion_log_probs(**scored)
     margins = log_probs.sum(-1) - reference.sum(-1)  # [B, 2]: chosen, rejected
     return -F.logsigmoid(dpo_beta * (margins[:, 0] - margins[:, 1])).mean()
 
@@ -311,10 +327,7 @@ class TitansTrainer(Trainer):
         `completions_loss`, every completion scored from the memory state its prompt left."""
         if "completion_ids" not in inputs:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        if self.args.world_size > 1:
-            raise ValueError("dpo and grpo rows train in one process: their loss calls the model's "
-                             "completion_log_probs, which DDP / FSDP do not wrap")
-        loss = completions_loss(self.accelerator.unwrap_model(model), inputs, self.args.dpo_beta)
+        loss = completions_loss(model, inputs, self.args.dpo_beta, titans=self.accelerator.unwrap_model(model))
         return (loss, None) if return_outputs else loss
 
     # ---- evaluation ----
