@@ -388,3 +388,67 @@ def test_adapter_weights_are_read_from_safetensors_only_and_checked(saved):
     (saved / ADAPTER_WEIGHTS_NAME).write_bytes(b"not safetensors")
     with pytest.raises(ValueError, match="not a readable safetensors file"):
         TitansQwenForCausalLM.from_pretrained(saved)
+
+
+# ---- titans-hf train --lora_r ----
+
+
+def lora_flags(model_dir, tokenizer_dir, tmp_path) -> list[str]:
+    """`titans-hf train` on a seq store of 4 windows of 32 tokens (chunks of 16), LoRA of rank 4 on q_proj, v_proj."""
+    from titans_hf.data.prepare import prepare
+
+    documents = tmp_path / "doc.txt"
+    documents.write_text("Ships waited in the harbour for the tide, their sails folded against the grey sky. " * 12)
+    [store] = prepare(documents, tmp_path / "corpus.h5", str(tokenizer_dir))
+    return [
+        "--dataset", "titans_tokens", "--data_files", str(store), "--window_size", "32", "--max_train_samples", "4",
+        "--model_name_or_path", str(model_dir), "--chunk_size", "16", "--memory_chunk_size", "8",
+        "--memory_head_dim", "16", "--lora_r", "4", "--lora_alpha", "16", "--lora_target_modules", *TARGETS,
+        "--gradient_accumulation_steps", "1", "--optim", "sgd", "--learning_rate", "0.5", "--max_steps", "2",
+        "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true",
+    ]  # fmt: skip
+
+
+def test_titans_hf_train_lora_flags_train_and_save_lora_with_the_memory(tiny_qwen3_dir, tiny_tokenizer_dir, tmp_path):
+    """--lora_r puts LoRA on the base (add_lora): the output folder holds the memory and PEFT's adapter, which load
+    back together; the base is as loaded, lora_B (zero at init) and W_O (zero at init) trained."""
+    from titans_hf.commands import main as cli_main
+
+    flags = lora_flags(tiny_qwen3_dir, tiny_tokenizer_dir, tmp_path)
+    assert cli_main(["train", *flags, "--output_dir", str(tmp_path / "out"), "--use_cpu", "true"]) == 0
+    assert FOLDER_FILES <= set(os.listdir(tmp_path / "out"))
+    adapter = json.loads((tmp_path / "out" / ADAPTER_CONFIG_NAME).read_text())
+    assert (adapter["r"], adapter["lora_alpha"]) == (4, 16)
+    assert sorted({name.rsplit(".", 1)[-1] for name in adapter["target_modules"]}) == TARGETS
+    trained = TitansQwenForCausalLM.from_pretrained(tmp_path / "out")
+    groups, base = parts(trained), AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir).state_dict()
+    assert groups["base"] and all(torch.equal(tensor, base[name.replace(".base_layer", "")])
+                                  for name, tensor in groups["base"].items())
+    assert all(tensor.any() for name, tensor in groups["lora"].items() if ".lora_B." in name)
+    assert all(tensor.any() for name, tensor in groups["memory"].items() if name.endswith("output_weight"))
+    assert {name for name, p in trained.named_parameters() if p.requires_grad} == {*groups["lora"], *groups["memory"]}
+
+
+def test_titans_hf_train_refuses_a_lora_rank_below_one(tiny_qwen3_dir, tiny_tokenizer_dir, tmp_path):
+    from titans_hf.commands import main as cli_main
+
+    flags = lora_flags(tiny_qwen3_dir, tiny_tokenizer_dir, tmp_path)
+    flags[flags.index("--lora_r") + 1] = "0"
+    with pytest.raises(ValueError, match="--lora_r must be a rank >= 1, got 0"):
+        cli_main(["train", *flags, "--output_dir", str(tmp_path / "out"), "--use_cpu", "true"])
+    assert not (tmp_path / "out" / MEMORY_WEIGHTS_NAME).exists()
+
+
+def test_two_process_ddp_trains_lora_and_memory_as_one_process(tiny_qwen3_dir, tiny_tokenizer_dir, tmp_path):
+    """`accelerate launch` (two DDP ranks of one window each) with --lora_r takes one process's SGD steps on both
+    windows: memory and LoRA weights equal."""
+    from gloo_workers import ddp_and_one_process
+
+    ddp_dir, one_dir = ddp_and_one_process(lora_flags(tiny_qwen3_dir, tiny_tokenizer_dir, tmp_path), tmp_path)
+    for name in (MEMORY_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME):
+        ddp, one = (safetensors.torch.load_file(folder / name) for folder in (ddp_dir, one_dir))
+        assert ddp.keys() == one.keys() and one
+        for key, tensor in one.items():
+            torch.testing.assert_close(ddp[key], tensor, atol=1e-6, rtol=1e-4, msg=key)
+    lora_b = [tensor for key, tensor in one.items() if ".lora_B." in key]
+    assert lora_b and all(tensor.any() for tensor in lora_b)

@@ -61,6 +61,14 @@ class ModelArguments:
         default=None, metadata={"help": "dtype the base is loaded in (e.g. bfloat16); default: the checkpoint's."}
     )
     attn_implementation: str | None = field(default=None, metadata={"help": "e.g. sdpa, flash_attention_2."})
+    lora_r: int | None = field(default=None, metadata={
+        "help": "Train LoRA adapters of this rank on the frozen base together with the memory (titans_hf.lora; "
+                "needs titans_hf[peft]); saved as PEFT's adapter files beside the memory. Default: no LoRA."})
+    lora_alpha: float = field(default=8.0, metadata={"help": "LoRA's alpha (scale alpha / r; PEFT's default)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA branch."})
+    lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"], metadata={
+        "help": "Linear modules of the base to adapt: names or suffixes (PEFT's target_modules), or all-linear."})
+    use_rslora: bool = field(default=False, metadata={"help": "rsLoRA's scale, alpha / sqrt(r)."})
 
 
 def _memory_arguments() -> type:
@@ -274,6 +282,22 @@ def load_token_splits(data_args: DataArguments, vocab_size: int, tokenizer: Any 
     return train, evaluation
 
 
+def add_lora_from_arguments(model: TitansQwenForCausalLM, model_args: ModelArguments) -> None:
+    """The LoRA of `--lora_r` and its flags on the model's base (`titans_hf.lora.add_lora`)."""
+    if model_args.lora_r < 1:
+        raise ValueError(f"--lora_r must be a rank >= 1, got {model_args.lora_r}")
+    try:
+        from peft import LoraConfig
+
+        from titans_hf.lora import add_lora
+    except ImportError as error:
+        raise ImportError(f"--lora_r needs PEFT: pip install 'titans_hf[peft]' ({error})") from error
+    targets = model_args.lora_target_modules
+    add_lora(model, LoraConfig(r=model_args.lora_r, lora_alpha=model_args.lora_alpha,
+                               lora_dropout=model_args.lora_dropout, use_rslora=model_args.use_rslora,
+                               target_modules="all-linear" if targets == ["all-linear"] else targets))
+
+
 def train_memory(
     model_args: ModelArguments,
     memory_args: MemoryArguments,
@@ -308,6 +332,8 @@ def train_memory(
         dtype=dtype,
         attn_implementation=model_args.attn_implementation,
     )
+    if model_args.lora_r is not None:
+        add_lora_from_arguments(model, model_args)
     trainer = TitansTrainer(
         model=model,
         args=training_args,
