@@ -168,6 +168,23 @@ def test_the_routes_that_freeze_or_drop_an_adapter_are_refused(tiny_qwen3_dir, r
         lora_model(tiny_qwen3_dir).save_pretrained(tmp_path / "full", save_full_model=True)
 
 
+def test_a_plain_trainer_step_through_get_peft_model_says_the_memory_is_frozen(tiny_qwen3_dir, rows, caplog):
+    """What TitansTrainer refuses, a plain Trainer runs: the first training forward of the wrapped model says, once,
+    that every memory weight is frozen and names add_lora; a model whose memory trains says nothing."""
+    titans = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, chunk_size=16, memory_chunk_size=8, memory_head_dim=16)
+    wrapped = get_peft_model(titans, LoraConfig(r=4, target_modules=TARGETS)).train()
+    ids = torch.tensor(rows["input_ids"][:1])
+    with caplog.at_level("WARNING", logger="titans_hf.modeling.modeling_titans_qwen"):
+        wrapped(input_ids=ids, labels=ids).loss.backward()
+        wrapped(input_ids=ids, labels=ids)
+        lora_model(tiny_qwen3_dir).train()(input_ids=ids, labels=ids)
+        with torch.no_grad():
+            get_peft_model(TitansQwenForCausalLM.from_base(tiny_qwen3_dir, chunk_size=16), LoraConfig(
+                r=4, target_modules=TARGETS)).train()(input_ids=ids)  # no gradient: not a training step
+    frozen = [record for record in caplog.records if "every memory weight frozen" in record.getMessage()]
+    assert len(frozen) == 1 and "titans_hf.lora.add_lora" in frozen[0].getMessage()
+
+
 # ---- saving and loading ----
 
 

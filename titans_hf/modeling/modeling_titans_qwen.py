@@ -382,6 +382,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
             self.persistent_tokens = _persistent_tokens(config)
         self._memory_enabled = True
         self._layer_major_enabled = True
+        self._warned_frozen_memory = False
         self.post_init()
         self._apply_freeze_base()
 
@@ -773,6 +774,16 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
             raise ValueError(f"forward: input_ids hold the id {low if low < 0 else high}, outside the vocabulary of "
                              f"{vocab_size} tokens (ids 0..{vocab_size - 1}): they come from another tokenizer")
 
+    def _warn_if_memory_frozen(self) -> None:
+        """Say once, in a training forward, that nothing trains the memory: every one of its weights is frozen, as
+        `peft.get_peft_model` leaves them (a Trainer would then save a memory at its initial weights)."""
+        weights = list(self.memory.parameters())
+        if weights and not any(weight.requires_grad for weight in weights):
+            self._warned_frozen_memory = True
+            logger.warning("TitansQwenForCausalLM trains with every memory weight frozen (requires_grad=False): "
+                           "the memory keeps its initial weights. peft.get_peft_model freezes it; put a LoRA on the "
+                           "model with titans_hf.lora.add_lora(model, LoraConfig(...)) to train both")
+
     @property
     def padding_multiple(self) -> int:
         """Left padding by a multiple of this many tokens (whole chunks, whole memory updates and batches) leaves a
@@ -1016,6 +1027,8 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         every completion scored from the memory state it leaves (see `completion_log_probs`). This is how the DPO
         and GRPO losses of dpo / grpo rows call the model, so that a DDP or FSDP wrapper sees the call.
         """
+        if self.training and torch.is_grad_enabled() and self._memory_enabled and not self._warned_frozen_memory:
+            self._warn_if_memory_frozen()
         if completion_ids is not None:
             given = [name for name, value in (("labels", labels), ("cache", cache), ("use_cache", use_cache or None),
                                               ("inputs_embeds", inputs_embeds)) if value is not None]
