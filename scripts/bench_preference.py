@@ -8,7 +8,7 @@ against another; grpo groups: every word, reward 1 for the right one) -> `load_d
 `TitansTrainer` (each prompt streamed through the memory once, every answer scored from its memory state). The same
 stand-in, memory settings, seed and step budget for both; held-out rows score each memory with it on and off.
 
-    nice -n 10 python scripts/bench_preference.py --json bench_results/preference.json
+    nice -n 10 python scripts/bench_preference.py --json bench_results/preference.json   # about 6 minutes
     python scripts/bench_preference.py --quick        # a smoke run: few steps, few rows
 """
 
@@ -122,7 +122,7 @@ def train(train_type: str, base: Path, tokenizer, store: Path, work: Path, args:
     model = TitansQwenForCausalLM.from_base(base, **MEMORY)
     training = TitansTrainingArguments(
         output_dir=str(work / f"out_{train_type}"), per_device_train_batch_size=args.batch_size,
-        gradient_accumulation_steps=1, max_steps=args.steps, learning_rate=args.learning_rate,
+        gradient_accumulation_steps=args.gradient_accumulation_steps, max_steps=args.steps, learning_rate=args.learning_rate,
         lr_scheduler_type="constant", warmup_steps=0, logging_steps=max(1, args.steps // 10), save_strategy="no",
         report_to="none", use_cpu=True, seed=args.seed, dpo_beta=args.dpo_beta, max_grad_norm=1.0,
         disable_tqdm=not args.progress,
@@ -136,8 +136,10 @@ def train(train_type: str, base: Path, tokenizer, store: Path, work: Path, args:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=1200)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--gradient-accumulation-steps", type=int, default=8,
+                        help="Batches per optimizer step (TitansTrainingArguments' default).")
     parser.add_argument("--learning-rate", type=float, default=1e-2)
     parser.add_argument("--dpo-beta", type=float, default=1.0)
     parser.add_argument("--chunks", type=int, default=3, help="Chunks of 16 tokens per prompt (the fact in the first).")
@@ -175,7 +177,7 @@ def main() -> None:
     results["runs"]["untrained"] = score(untrained, tokenizer, eval_rows, random.Random(args.seed + 1))
 
     print(f"\nfact {results['settings']['fact_distance_chunks']} chunks of {CHUNK} tokens before the question; "
-          f"{args.steps} steps of {args.batch_size} rows; {args.eval_rows} held-out rows; chance: pair 0.5, pick "
+          f"{args.steps} steps of {args.batch_size} x {args.gradient_accumulation_steps} rows; {args.eval_rows} held-out rows; chance: pair 0.5, pick "
           f"{1 / len(WORDS):.2f}")
     print(f"{'memory trained by':<18} {'pair, memory':>13} {'pair, off':>10} {'pick, memory':>13} {'pick, off':>10} "
           f"{'seconds':>8}")
