@@ -1,9 +1,10 @@
-"""One training step of TitansQwen (frozen base, memory trainable) under raw FSDP2 `fully_shard`, two gloo CPU
-processes, against the same step taken by one process on both halves of the batch: on labelled windows, and on
-dpo + grpo batches (a prompt and a group of completions, the DPO reference the memory-off model).
+"""Two training steps of TitansQwen (frozen base, memory trainable, with or without a LoRA on the base) under raw
+FSDP2 `fully_shard`, two gloo CPU processes, against the same steps taken by one process on both halves of the
+batch: on labelled windows, and on dpo + grpo batches (a prompt and a group of completions, the DPO reference the
+memory-off model).
 
 FSDP through accelerate/Trainer on CPU silently becomes DDP (NOTES.md), so the sharded path is exercised directly.
-This file is also the worker script: `python test_fsdp.py lm|completions RANK WORLD PORT MODEL_DIR OUT_DIR`.
+This file is also the worker script: `python test_fsdp.py MODE RANK WORLD PORT MODEL_DIR OUT_DIR`.
 """
 
 import json
@@ -17,9 +18,12 @@ from gloo_workers import exit_without_finalising, run_two_ranks
 
 CHUNKED = dict(chunk_size=8, memory_chunk_size=4, memory_num_heads=2, memory_head_dim=16, memory_layers=[0, 1])
 LEARNING_RATE = 0.5
+STEPS = 2  # the second step's forward must see the first step's weights, however backward left the units
 
 
-def build(model_dir):
+def build(model_dir, mode: str):
+    """The model of a mode ("lm", "lm_lora", "completions", "completions_lora"): with "_lora", LoRA of rank 4 on
+    the base's q/k/v projections, lora_B moved off zero so that the LoRA changes the result."""
     from titans_hf.modeling import TitansQwenForCausalLM
 
     torch.manual_seed(0)
@@ -27,13 +31,23 @@ def build(model_dir):
     with torch.no_grad():
         for block in model.memory.values():
             block.output_weight.normal_(std=0.5)  # so every memory parameter gets a gradient on the first step
+    if mode.endswith("_lora"):
+        from peft import LoraConfig
+
+        from titans_hf.lora import add_lora
+
+        add_lora(model, LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj"]))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if ".lora_B." in name:
+                    param.normal_(std=0.1)
     return model.train()
 
 
 def batch(rank: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.randint(1, vocab, (2, 20), generator=torch.Generator().manual_seed(100 + rank))
     labels = ids.clone()
-    labels[:, : 4 + 3 * rank] = -100  # ranks hold different numbers of labelled tokens
+    labels[:, : 4 + 3 * (rank % 2)] = -100  # ranks hold different numbers of labelled tokens
     return ids, labels
 
 
@@ -56,7 +70,7 @@ def rank_loss(model, mode: str, rank: int) -> torch.Tensor:
     from titans_hf.training.trainer import completions_loss
 
     vocab = model.config.text_config.vocab_size
-    if mode == "lm":
+    if mode.startswith("lm"):
         ids, labels = batch(rank, vocab)
         return model(ids, labels=labels).loss
     dpo, grpo = completion_batches(rank, vocab)
@@ -66,23 +80,33 @@ def rank_loss(model, mode: str, rank: int) -> torch.Tensor:
 def worker(mode: str, rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    model = build(model_dir)
+    model = build(model_dir, mode)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(trainable, lr=LEARNING_RATE)
-    loss = rank_loss(model, mode, rank)
-    loss.backward()
-    frozen_grads = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
-    optimizer.step()
-    # frozen layers may still be gathered after a completions backward (plain tensors, not DTensors)
-    full = {n: getattr(p, "full_tensor", lambda: p)().detach().contiguous() for n, p in model.named_parameters()}
-    losses = [None] * world
-    dist.all_gather_object(losses, loss.item())
+    losses, frozen_grads = [], []
+    for step in range(STEPS):
+        try:
+            loss = rank_loss(model, mode, rank + 10 * step)
+        except ValueError as error:  # a refused setting: the test checks the message
+            Path(out_dir, f"refused_{rank}.txt").write_text(str(error))
+            break
+        loss.backward()
+        frozen_grads += [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
+        optimizer.step()
+        optimizer.zero_grad()
+        step_losses = [None] * world
+        dist.all_gather_object(step_losses, loss.item())
+        losses.append(step_losses)
+    for module in model.modules():  # units a completions backward left gathered: back to their shards
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    full = {n: p.full_tensor().detach().contiguous() for n, p in model.named_parameters()}
     if rank == 0:
         save_file(full, os.path.join(out_dir, "params.safetensors"))
         Path(out_dir, "result.json").write_text(json.dumps({"losses": losses, "frozen_grads": frozen_grads}))
@@ -90,8 +114,8 @@ def worker(mode: str, rank: int, world: int, port: int, model_dir: str, out_dir:
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("mode", ["lm", "completions"])
-def test_fsdp2_training_step_matches_single_process(tmp_path, tiny_qwen3_dir, mode):
+@pytest.mark.parametrize("mode", ["lm", "lm_lora", "completions"])
+def test_fsdp2_training_steps_match_single_process(tmp_path, tiny_qwen3_dir, mode):
     from safetensors.torch import load_file
 
     run_two_ranks(__file__, [mode], [str(tiny_qwen3_dir), str(tmp_path)])
@@ -103,24 +127,41 @@ def test_fsdp2_training_step_matches_single_process(tmp_path, tiny_qwen3_dir, mo
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = build(tiny_qwen3_dir)
+        model = build(tiny_qwen3_dir, mode)
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        losses = [rank_loss(model, mode, rank) for rank in range(2)]
-        ((losses[0] + losses[1]) / 2).backward()
-        torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE).step()
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE)
+        losses = []
+        for step in range(STEPS):
+            step_losses = [rank_loss(model, mode, rank + 10 * step) for rank in range(2)]
+            ((step_losses[0] + step_losses[1]) / 2).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append([loss.item() for loss in step_losses])
     finally:
         torch.set_num_threads(threads)
-    torch.testing.assert_close(torch.tensor([l.item() for l in losses]), torch.tensor(result["losses"]),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(result["losses"]), atol=1e-5, rtol=1e-5)
 
     assert result["frozen_grads"] == []
     assert sharded.keys() == {n for n, _ in model.named_parameters()}
     for name, param in model.named_parameters():
         torch.testing.assert_close(sharded[name], param.detach(), atol=1e-5, rtol=1e-4, msg=name)
-        if name.startswith(("model.", "lm_head.")):
-            assert torch.equal(sharded[name], before[name]), f"frozen {name} changed"
-        else:
+        if param.requires_grad:
             assert not torch.equal(sharded[name], before[name]), f"trainable {name} did not move"
+        else:
+            assert torch.equal(sharded[name], before[name]), f"frozen {name} changed"
+    assert any(".lora_" in name for name in sharded) == mode.endswith("_lora")
+
+
+def test_fsdp2_refuses_completions_that_would_train_a_sharded_layer_with_stale_weights(tmp_path, tiny_qwen3_dir):
+    """dpo / grpo rows, attend_previous_chunk, a LoRA on FSDP2-sharded layers: refused before any forward, naming
+    DDP and attend_previous_chunk=False (FSDP2 would free the prompt's layers too early, and keeping them gathered
+    would keep a trainable layer's weights from before the optimizer step)."""
+    run_two_ranks(__file__, ["completions_lora"], [str(tiny_qwen3_dir), str(tmp_path)])
+    for rank in range(2):
+        message = (tmp_path / f"refused_{rank}.txt").read_text()
+        assert "FSDP2 with attend_previous_chunk=True cannot train sharded base layers" in message
+        assert "ddp.yaml" in message and "attend_previous_chunk=False" in message
+    assert json.loads((tmp_path / "result.json").read_text())["losses"] == []
 
 
 if __name__ == "__main__":

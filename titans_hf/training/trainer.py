@@ -178,6 +178,23 @@ def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return centred / (rewards.std(dim=1, keepdim=True) + 1e-4)
 
 
+def _keep_frozen_fsdp_units_gathered(titans: nn.Module) -> None:
+    """Under FSDP2, keep the units below the root (the base's decoder layers) gathered from backward to the next
+    forward, which reshards them. With attend_previous_chunk the completions attend to the prompt's last chunk
+    through the cache, so that chunk's layer calls get gradient after the completions' layer calls, at whose end of
+    backward FSDP2 would free the layer's weights. Frozen units never change, so keeping them is exact; a trainable
+    one (a LoRA on the layer) would keep its pre-step weights, so it is refused."""
+    units = [module for module in titans.modules() if isinstance(module, FSDPModule) and module is not titans]
+    trainable = [type(unit).__name__ for unit in units if any(p.requires_grad for p in unit.parameters())]
+    if trainable:
+        raise ValueError("dpo / grpo rows under FSDP2 with attend_previous_chunk=True cannot train sharded base "
+                         f"layers ({trainable[0]} holds trainable weights, e.g. a LoRA): the answers attend to the "
+                         "prompt's last chunk, whose layers FSDP2 would free before backward is done with them. "
+                         "Use DDP (titans_hf/accelerate/ddp.yaml), or a memory with attend_previous_chunk=False")
+    for unit in units:
+        unit.set_reshard_after_backward(False, recurse=False)
+
+
 def completions_loss(model: nn.Module, inputs: dict[str, torch.Tensor], dpo_beta: float,
                      titans: nn.Module | None = None) -> torch.Tensor:
     """The loss of a batch of prompts with a group of completions each, every prompt streamed through the memory
@@ -195,13 +212,7 @@ def completions_loss(model: nn.Module, inputs: dict[str, torch.Tensor], dpo_beta
     """
     titans = model if titans is None else titans
     if titans.config.memory_config.attend_previous_chunk:
-        # the completions attend to the prompt's last chunk through the cache, so that chunk's layer calls get
-        # gradient after the completions' layer calls, at whose end of backward FSDP2 would reshard the layer: keep
-        # frozen FSDP units (the base's layers, which no step changes) gathered through backward; the next forward
-        # reshards them. Trainable units (the root, with the memory) reshard as usual, before the optimizer step.
-        for module in titans.modules():
-            if isinstance(module, FSDPModule) and not any(p.requires_grad for p in module.parameters()):
-                module.set_reshard_after_backward(False, recurse=False)
+        _keep_frozen_fsdp_units_gathered(titans)
     scored = {"input_ids": inputs["prompt_ids"], "attention_mask": inputs["prompt_attention_mask"],
               "completion_ids": inputs["completion_ids"], "completion_mask": inputs["completion_mask"]}
     if "rewards" not in inputs:
