@@ -530,6 +530,21 @@ def test_hidden_states_are_the_chunked_runs_per_layer(tiny_qwen3_dir):
                 torch.testing.assert_close(batched[layer][index, 19 - len(row):], hidden[0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("attend_previous_chunk", [True, False])  # the chunk loop; the layer-major stream
+def test_return_last_hidden_state_is_the_last_of_the_hidden_states_alone(tiny_qwen3_dir, attend_previous_chunk):
+    """return_last_hidden_state (what `base_model` returns) is output_hidden_states' last, normed entry, bitwise,
+    with rows at two places of the chunk cycle (phase groups) and an unfinished last chunk; nothing else is kept."""
+    model = build(tiny_qwen3_dir, attend_previous_chunk=attend_previous_chunk)
+    rows = [random_ids(model.config.text_config.vocab_size, (1, length), seed=length)[0] for length in (7, 21)]
+    batch, mask = left_padded(rows, 21)
+    with torch.no_grad():
+        every = model(batch, attention_mask=mask, output_hidden_states=True).hidden_states
+        last = model(batch, attention_mask=mask, return_last_hidden_state=True)
+        view = model.base_model(input_ids=batch, attention_mask=mask).last_hidden_state
+    assert last.hidden_states is None and model(batch).last_hidden_state is None
+    assert torch.equal(last.last_hidden_state, every[-1]) and torch.equal(view, every[-1])
+
+
 def test_inputs_embeds_equal_input_ids(tiny_qwen3_dir):
     """forward and generate take the tokens' embeddings in place of their ids, left padding included."""
     model = build(tiny_qwen3_dir, **VARIANT_SETTINGS["mac"])

@@ -113,12 +113,13 @@ class PreviousChunk:
 
 @dataclass
 class TitansCausalLMOutput(CausalLMOutputWithPast):
-    """`CausalLMOutputWithPast` plus, on request, the greedy prediction and the loss of every labelled token, or
-    the log-probabilities of a group of completions of each prompt."""
+    """`CausalLMOutputWithPast` plus, on request, the greedy prediction and the loss of every labelled token, the
+    last layer's normed hidden states, or the log-probabilities of a group of completions of each prompt."""
 
     label_predictions: torch.LongTensor | None = None
     token_losses: torch.FloatTensor | None = None
     completion_log_probs: torch.FloatTensor | None = None
+    last_hidden_state: torch.FloatTensor | None = None
 
 
 @dataclass
@@ -268,8 +269,8 @@ class TitansBackbone(nn.Module):
         with context:
             # the class's forward: this view is called from inside the model's own (possibly patched) forward
             outputs = type(titans).forward(titans, input_ids=input_ids, attention_mask=attention_mask,
-                                           inputs_embeds=inputs_embeds, output_hidden_states=True)
-        return BaseModelOutputWithPast(last_hidden_state=outputs.hidden_states[-1])
+                                           inputs_embeds=inputs_embeds, return_last_hidden_state=True)
+        return BaseModelOutputWithPast(last_hidden_state=outputs.last_hidden_state)
 
 
 def _restarts_inside_rows(position_ids: Tensor, attention_mask: Tensor | None) -> bool:
@@ -895,7 +896,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         enabled: bool,
         predict: bool = False,
         previous: PreviousChunk | None = None,
-        hidden_states: bool = False,
+        hidden_states: str | None = None,
         geometry: dict | None = None,
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None, dict[int, MemoryState], PreviousChunk | None,
                tuple[Tensor, ...] | None]:
@@ -938,7 +939,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
 
         new_states = dict(states)
         layer_types = self.config.text_config.layer_types
-        all_hidden = [hidden[:, num_prefix:]] if hidden_states else None
+        all_hidden = [hidden[:, num_prefix:]] if hidden_states == "all" else None
         for index, decoder_layer in enumerate(self.model.layers):
             layer = functools.partial(decoder_layer, attention_mask=masks[layer_types[index]],
                                       position_embeddings=position_embeddings, position_ids=position_ids,
@@ -961,7 +962,8 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
                 [(layer.keys[:, :, past:], layer.values[:, :, past:]) for layer in attention_cache.layers],
                 None if attention_mask is None else as_previous_chunk_mask(attention_mask[:, past:], num_prefix),
             )
-        return logits, loss_sum, per_token, new_states, current, None if all_hidden is None else tuple(all_hidden)
+        last_hidden = (hidden,) if hidden_states == "last" else None
+        return logits, loss_sum, per_token, new_states, current, last_hidden if all_hidden is None else tuple(all_hidden)
 
     def _head(self, hidden: Tensor, shifted_labels: Tensor | None, keep_from: int, predict: bool
               ) -> tuple[Tensor | None, Tensor | None, tuple[Tensor, Tensor] | None]:
@@ -1000,6 +1002,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         output_hidden_states: bool | None = None,
         completion_ids: torch.LongTensor | None = None,
         completion_mask: Tensor | None = None,
+        return_last_hidden_state: bool = False,
         **kwargs,
     ) -> "TitansCausalLMOutput":
         """Stream `input_ids` (or `inputs_embeds`, the embeddings of tokens) through the chunks, carrying the
@@ -1014,7 +1017,9 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         `return_token_losses` the cross-entropy of every labelled token (`token_losses[b, t]` of predicting
         `labels[b, t]`, 0 where unlabelled), what the per-chunk language-model evaluation sums.
         `output_hidden_states` returns the embeddings and every layer's output over the whole input (the chunks'
-        concatenated, the memory's contribution included; the last one normed), as a Qwen model does.
+        concatenated, the memory's contribution included; the last one normed), as a Qwen model does;
+        `return_last_hidden_state` only that last one (`last_hidden_state`), what `base_model` returns, without
+        keeping every layer's.
 
         Each row's chunks start at its own first real token, so a row left-padded by any amount answers as it does
         alone (rows at different places of the chunk cycle run as separate batches: see `padding_multiple`);
@@ -1083,12 +1088,13 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         predict = (return_predictions or return_token_losses) and labels is not None
         seen = cache.seen_tokens if cache is not None else 0
         groups = cache.phase_groups if seen else self._phase_groups(token_mask, cache)
+        hidden_mode = "all" if output_hidden_states else "last" if return_last_hidden_state else None
         if groups is None:
             logits, loss_sum, per_token, hidden_states = self._stream(inputs, token_mask, shifted_labels, cache,
-                                                                      keep_start, predict, output_hidden_states)
+                                                                      keep_start, predict, hidden_mode)
         else:
             logits, loss_sum, per_token, hidden_states = self._stream_groups(
-                groups, inputs, token_mask, shifted_labels, seen, keep_start, predict, output_hidden_states)
+                groups, inputs, token_mask, shifted_labels, seen, keep_start, predict, hidden_mode)
             if cache is not None:
                 cache.seen_tokens = seen + length
 
@@ -1110,8 +1116,12 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
             if return_token_losses:
                 token_losses = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
                 token_losses[:, 1:] = losses[:, :-1]
+        last_hidden_state = None
+        if hidden_mode == "last":
+            (last_hidden_state,), hidden_states = hidden_states, None
         return TitansCausalLMOutput(loss=loss, logits=logits, cache=cache, hidden_states=hidden_states,
-                                    label_predictions=label_predictions, token_losses=token_losses)
+                                    label_predictions=label_predictions, token_losses=token_losses,
+                                    last_hidden_state=last_hidden_state)
 
     def _stream_groups(
         self,
@@ -1122,7 +1132,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         seen: int,
         keep_start: int,
         predict: bool,
-        hidden_states: bool,
+        hidden_states: str | None,
     ) -> tuple[Tensor | None, Tensor | None, tuple[Tensor, Tensor] | None, tuple[Tensor, ...] | None]:
         """`_stream` for each phase group from its phase on (a first call drops the group's first `phase` columns,
         padding in all its rows), each with its own cache, the results put back in the batch's rows and columns."""
@@ -1164,7 +1174,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         cache: TitansCache | None,
         keep_start: int,
         predict: bool,
-        hidden_states: bool,
+        hidden_states: str | None,
     ) -> tuple[Tensor | None, Tensor | None, tuple[Tensor, Tensor] | None, tuple[Tensor, ...] | None]:
         """The chunk loop over rows whose chunks line up: (logits of positions >= keep_start or None, summed loss or
         None, with `predict` the greedy next token and loss of every position, with `hidden_states` the per-layer
@@ -1262,7 +1272,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         states: dict[int, MemoryState],
         keep_start: int,
         predict: bool,
-        hidden_states: bool,
+        hidden_states: str | None,
     ) -> tuple[Tensor | None, Tensor | None, tuple[Tensor, Tensor] | None, tuple[Tensor, ...] | None]:
         """`_stream` where no chunk sees another through attention (see `_runs_layer_major`), layer by layer instead
         of chunk by chunk: each decoder layer runs once on all chunks of a segment as rows of one batch, each memory
@@ -1290,7 +1300,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
                     piece_mask = None if mask is None else mask[:, first:stop].reshape(rows, width)
                     pieces.append((first, stop, rows, self._chunk_geometry(hidden.new_empty(rows, width, 0),
                                                                            piece_mask, None, 0, geometry)))
-            segment_hidden = [hidden] if hidden_states else None
+            segment_hidden = [hidden] if hidden_states == "all" else None
             for index, decoder_layer in enumerate(self.model.layers):
                 def layer(h: Tensor, decoder_layer=decoder_layer, kind=layer_types[index]) -> Tensor:
                     outs = []
@@ -1311,6 +1321,8 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
             if segment_hidden is not None:
                 segment_hidden[-1] = hidden
                 all_hidden.append(segment_hidden)
+            elif hidden_states == "last":
+                all_hidden.append([hidden])
             for piece in range(start, end, chunk_size):  # the head chunk by chunk: never [T, vocab] logits at once
                 stop = min(end, piece + chunk_size)
                 labels = None if shifted_labels is None else shifted_labels[:, piece:stop]
