@@ -209,3 +209,22 @@ def test_two_process_ddp_on_a_store_takes_the_steps_of_one_process(tiny_qwen3_di
         torch.testing.assert_close(ddp[name], tensor, atol=1e-6, rtol=1e-4, msg=name)
     trained_from_zero = [name for name in one if name.endswith("output_weight")]  # W_O starts at zero
     assert trained_from_zero and all(one[name].any() for name in trained_from_zero)
+
+
+def test_prompt_pass_says_once_that_it_keeps_activations_under_checkpointing(tiny_qwen3_dir, caplog):
+    """Checkpointing does not reach the prompt-once path (its cache would be written twice by a recomputation): a
+    training call with checkpoint_chunks says so once; without checkpointing, or under no_grad, nothing is said."""
+    batch = CompletionsCollator(pad_token_id=0, chunk_size=CHUNK)(
+        [{"prompt_ids": list(range(3, 23)), "chosen_ids": [30, 31], "rejected_ids": [40, 41, 42]}])
+    scored = (batch["prompt_ids"], batch["completion_ids"], batch["prompt_attention_mask"], batch["completion_mask"])
+    with caplog.at_level("WARNING", logger="titans_hf.modeling.modeling_titans_qwen"):
+        plain = memory_model(tiny_qwen3_dir, checkpoint_chunks=False).train()
+        plain.completion_log_probs(*scored)
+        checkpointed = memory_model(tiny_qwen3_dir, checkpoint_chunks=True).train()
+        with torch.no_grad():
+            checkpointed.completion_log_probs(*scored)
+        assert not [r for r in caplog.records if "not recomputed" in r.getMessage()]
+        checkpointed.completion_log_probs(*scored)
+        checkpointed.completion_log_probs(*scored)
+    said = [r for r in caplog.records if "not recomputed" in r.getMessage()]
+    assert len(said) == 1 and "the prompt's activations stay in memory" in said[0].getMessage()

@@ -384,6 +384,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         self._memory_enabled = True
         self._layer_major_enabled = True
         self._warned_frozen_memory = False
+        self._warned_prompt_checkpointing = False
         self.post_init()
         self._apply_freeze_base()
 
@@ -733,6 +734,13 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         if completion_mask is None:
             completion_mask = torch.ones_like(completion_ids)
         # `forward`, not `self(...)`: inside the call a DDP / FSDP wrapper made, its hooks must not run again
+        memory = self.config.memory_config
+        if (self.training and torch.is_grad_enabled() and (memory.checkpoint_chunks or self.gradient_checkpointing)
+                and not self._warned_prompt_checkpointing):
+            self._warned_prompt_checkpointing = True
+            logger.warning("completion_log_probs: chunks are not recomputed in backward on this path (the prompt "
+                           "streams into a cache, which a recomputation would write twice): the prompt's activations "
+                           "stay in memory, whatever gradient checkpointing / checkpoint_chunks say")
         cache = TitansCache(self.config)
         last = self.forward(input_ids=prompt_ids, attention_mask=prompt_attention_mask, cache=cache, use_cache=True,
                             logits_to_keep=1).logits
