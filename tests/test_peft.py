@@ -12,7 +12,7 @@ import safetensors.torch
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
-from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
+from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
 from titans_hf.data.collator import TitansDataCollator
 from titans_hf.hub import (
@@ -25,9 +25,10 @@ from titans_hf.hub import (
 )
 from titans_hf.lora import add_lora, has_lora
 from titans_hf.modeling import TitansQwenForCausalLM
-from titans_hf.training import TitansTrainer, TitansTrainingArguments
+from titans_hf.training import TitansTrainer
 
 from test_hub import BASE_REPO_ID, REPO_ID, hub, hub_token  # noqa: F401  (the loopback Hub and its token)
+from test_trainer import StopAtStep, make_args
 
 FOLDER_FILES = {MEMORY_CONFIG_NAME, MEMORY_WEIGHTS_NAME, MODEL_CONFIG_NAME, ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME}
 TARGETS = ["q_proj", "v_proj"]
@@ -66,17 +67,9 @@ def make_rows(vocab_size: int, count: int = 8, length: int = 40) -> datasets.Dat
     return datasets.Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * length] * count, "labels": ids})
 
 
-def make_args(output_dir, **overrides) -> TitansTrainingArguments:
-    settings = dict(output_dir=str(output_dir), per_device_train_batch_size=1, gradient_accumulation_steps=2,
-                    num_train_epochs=1, learning_rate=1e-2, save_strategy="steps", save_steps=1, logging_steps=1,
-                    report_to="none", use_cpu=True, disable_tqdm=True, seed=0)
-    settings.update(overrides)
-    return TitansTrainingArguments(**settings)
-
-
 def make_trainer(model_dir, output_dir, rows, callbacks=None, model=None, **overrides) -> TitansTrainer:
     return TitansTrainer(model=model if model is not None else lora_model(model_dir),
-                         args=make_args(output_dir, **overrides), train_dataset=rows,
+                         args=make_args(output_dir, **{"num_train_epochs": 1, **overrides}), train_dataset=rows,
                          processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=callbacks)
 
 
@@ -266,15 +259,6 @@ def test_titans_trainer_trains_memory_and_lora_only_and_checkpoints_both(tiny_qw
     loaded = TitansQwenForCausalLM.from_pretrained(checkpoint)
     ids = torch.tensor(rows[0]["input_ids"])[None]
     assert torch.equal(logits(loaded, ids), logits(trainer.model, ids))
-
-
-class StopAtStep(TrainerCallback):
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_save(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
 
 
 def test_resume_restores_memory_lora_and_optimizer_bitwise(tiny_qwen3_dir, rows, tmp_path):

@@ -17,6 +17,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingA
 from titans_hf.hub import MEMORY_CONFIG_NAME, MEMORY_WEIGHTS_NAME
 from titans_hf.modeling import TitansQwenForCausalLM
 
+from test_completions import open_memory
+
 trl = pytest.importorskip("trl")  # the `trl` extra; the `test` extra installs it
 
 CHUNK = 8
@@ -28,15 +30,6 @@ def memory_model(model_dir, **settings) -> TitansQwenForCausalLM:
     settings = {"chunk_size": CHUNK, "memory_layers": [1], "memory_chunk_size": 4, "memory_head_dim": 16,
                 "checkpoint_chunks": False, **settings}
     return TitansQwenForCausalLM.from_base(model_dir, **settings)
-
-
-def open_memory(model: TitansQwenForCausalLM) -> None:
-    """Give the memory's output projection weights, so that the memory changes the logits (it starts at zero)."""
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.startswith("memory.") and param.dim() == 2 and not param.any():
-                param.normal_(std=0.5)
 
 
 def base_weights(model) -> dict[str, torch.Tensor]:

@@ -28,7 +28,7 @@ import logging
 import math
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -284,7 +284,26 @@ def base_fingerprint(folder: str | os.PathLike) -> str:
     file its name, dtype, shape and three blocks of 4 KiB of its bytes (start, middle, end). A model fine-tuned in
     a single layer differs there; reading a few MB instead of hashing a 15 GB base in full keeps loading fast.
     Recorded at `from_base`, compared at load (`base_matches_fingerprint`)."""
-    folder = Path(folder)
+
+    def tensor_blocks(path: Path, handle: Any, size: int) -> Iterator[bytes]:
+        header = _safetensors_header(handle, size, path)
+        data_start = handle.tell()
+        for name in sorted(name for name in header if name != "__metadata__"):
+            entry = header[name]
+            begin, end = (int(offset) for offset in entry["data_offsets"])
+            yield json.dumps([name, entry["dtype"], entry["shape"], end - begin]).encode()
+            block = _FINGERPRINT_TENSOR_BLOCK_BYTES
+            middle = max(begin, (begin + end) // 2 - block // 2)
+            for offset in dict.fromkeys((begin, middle, max(begin, end - block))):
+                handle.seek(data_start + offset)
+                yield handle.read(min(block, end - offset))
+
+    return _folder_fingerprint(Path(folder), tensor_blocks)
+
+
+def _folder_fingerprint(folder: Path, file_blocks: Callable[[Path, Any, int], Iterator[bytes]]) -> str:
+    """sha256 of a folder's config.json, then for each safetensors file (by name) its name and size and the
+    blocks `file_blocks(path, open handle, size)` reads from it."""
     digest = hashlib.sha256()
     config = folder / "config.json"
     digest.update(config.read_bytes() if config.is_file() else b"")
@@ -292,17 +311,8 @@ def base_fingerprint(folder: str | os.PathLike) -> str:
         size = path.stat().st_size
         digest.update(f"{path.name}:{size}".encode())
         with open(path, "rb") as handle:
-            header = _safetensors_header(handle, size, path)
-            data_start = handle.tell()
-            for name in sorted(name for name in header if name != "__metadata__"):
-                entry = header[name]
-                begin, end = (int(offset) for offset in entry["data_offsets"])
-                digest.update(json.dumps([name, entry["dtype"], entry["shape"], end - begin]).encode())
-                block = _FINGERPRINT_TENSOR_BLOCK_BYTES
-                middle = max(begin, (begin + end) // 2 - block // 2)
-                for offset in dict.fromkeys((begin, middle, max(begin, end - block))):
-                    handle.seek(data_start + offset)
-                    digest.update(handle.read(min(block, end - offset)))
+            for block in file_blocks(path, handle, size):
+                digest.update(block)
     return digest.hexdigest()
 
 
@@ -327,19 +337,15 @@ def _safetensors_header(handle: Any, size: int, path: Path) -> dict[str, Any]:
 def _legacy_base_fingerprint(folder: Path) -> str:
     """The fingerprint titans_hf <= 0.3 recorded: config.json, and per safetensors file its name, size, header and
     16 blocks of 64 KiB spread over it."""
-    digest = hashlib.sha256()
-    config = folder / "config.json"
-    digest.update(config.read_bytes() if config.is_file() else b"")
-    for path in sorted(folder.glob("*.safetensors")):
-        size = path.stat().st_size
-        digest.update(f"{path.name}:{size}".encode())
-        with open(path, "rb") as handle:
-            header = handle.read(8)
-            digest.update(header + handle.read(min(int.from_bytes(header, "little"), size) if len(header) == 8 else 0))
-            for index in range(_LEGACY_FINGERPRINT_BLOCKS):
-                handle.seek(size * index // _LEGACY_FINGERPRINT_BLOCKS)
-                digest.update(handle.read(_LEGACY_FINGERPRINT_BLOCK_BYTES))
-    return digest.hexdigest()
+
+    def spread_blocks(path: Path, handle: Any, size: int) -> Iterator[bytes]:
+        header = handle.read(8)
+        yield header + handle.read(min(int.from_bytes(header, "little"), size) if len(header) == 8 else 0)
+        for index in range(_LEGACY_FINGERPRINT_BLOCKS):
+            handle.seek(size * index // _LEGACY_FINGERPRINT_BLOCKS)
+            yield handle.read(_LEGACY_FINGERPRINT_BLOCK_BYTES)
+
+    return _folder_fingerprint(folder, spread_blocks)
 
 
 def base_matches_fingerprint(folder: str | os.PathLike, recorded: str) -> bool:

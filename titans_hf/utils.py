@@ -243,12 +243,7 @@ def check_outputs(paths: list[Path], overwrite: bool) -> None:
         if path.is_dir():
             raise IsADirectoryError(f"output {path} is a folder; give a file name inside it")
         if path.exists() or path.is_symlink():
-            if not overwrite:
-                raise FileExistsError(f"output {path} exists; pass --overwrite to replace it")
-            problem = unrecorded_reason(path)
-            if problem is not None:
-                raise FileExistsError(f"output {path}: will not replace it, even with --overwrite: {problem}; remove "
-                                      "it yourself or choose another output")
+            _check_replaceable(path, overwrite, unrecorded_reason)
         _check_can_create(path)
 
 
@@ -258,11 +253,17 @@ def check_folder_output(folder: Path, overwrite: bool) -> None:
     if not (folder.exists() or folder.is_symlink()):
         _check_can_create(folder)
         return
+    _check_replaceable(folder, overwrite, replaceable_folder_problem)
+
+
+def _check_replaceable(path: Path, overwrite: bool, problem_of: Callable[[Path], str | None]) -> None:
+    """Refuse an existing output without `overwrite`, and with it one that `problem_of` says this tool may not
+    replace."""
     if not overwrite:
-        raise FileExistsError(f"output {folder} exists; pass --overwrite to replace it")
-    problem = replaceable_folder_problem(folder)
+        raise FileExistsError(f"output {path} exists; pass --overwrite to replace it")
+    problem = problem_of(path)
     if problem is not None:
-        raise FileExistsError(f"output {folder}: will not replace it, even with --overwrite: {problem}; remove it "
+        raise FileExistsError(f"output {path}: will not replace it, even with --overwrite: {problem}; remove it "
                               "yourself or choose another output")
 
 
