@@ -12,6 +12,7 @@ sampler position, each calling the Trainer's own code where it has any.
 from __future__ import annotations
 
 import fcntl
+import functools
 import inspect
 import json
 import logging
@@ -424,9 +425,10 @@ class TitansTrainer(Trainer):
                              f"{', ...' if len(earlier) > 3 else ''}), which this fresh run would replace: resume it "
                              "(resume_from_checkpoint, --resume_from_checkpoint last) or choose another output_dir")
 
+    @functools.cached_property
     def _final_save_names(self) -> list[str]:
         """The names of the files the final save writes into output_dir: the memory folder's, the training
-        arguments' and the tokenizer's (learnt by saving it into a scratch folder)."""
+        arguments' and the tokenizer's (learnt once by saving it into a scratch folder)."""
         names = [TRAINING_ARGS_JSON_NAME, MEMORY_CONFIG_NAME, MODEL_CONFIG_NAME, MEMORY_WEIGHTS_NAME,
                  TRAINABLE_BASE_WEIGHTS_NAME, ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME]
         if self.processing_class is not None:
@@ -440,7 +442,7 @@ class TitansTrainer(Trainer):
         write there (a user's `tokenizer.json`, say), or, for a fresh run without `overwrite_output_dir`, the memory
         an earlier run saved there (every rank checks)."""
         folder = Path(self.args.output_dir)
-        for path in (folder / name for name in self._final_save_names()):
+        for path in (folder / name for name in self._final_save_names):
             if not (path.exists() or path.is_symlink()):
                 continue
             problem = unrecorded_reason(path)
@@ -571,7 +573,7 @@ class TitansTrainer(Trainer):
                            adapter=adapter)
         if Path(output_dir).resolve() == Path(self.args.output_dir).resolve():  # the final save, not a checkpoint
             folder = Path(output_dir)
-            record_outputs(folder, [name for name in self._final_save_names() if (folder / name).is_file()],
+            record_outputs(folder, [name for name in self._final_save_names if (folder / name).is_file()],
                            "titans-hf train")
 
     def _save_checkpoint(self, model: nn.Module, trial) -> None:
