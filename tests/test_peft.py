@@ -10,7 +10,7 @@ import datasets
 import pytest
 import safetensors.torch
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import AutoPeftModelForCausalLM, LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
@@ -334,6 +334,23 @@ def test_push_to_hub_uploads_memory_and_adapter_and_the_auto_class_loads_both(
     for loaded in (AutoModelForCausalLM.from_pretrained(REPO_ID), TitansQwenForCausalLM.from_pretrained(REPO_ID)):
         assert type(loaded) is TitansQwenForCausalLM and has_lora(loaded)
         assert torch.equal(logits(loaded, ids), expected)
+
+
+
+def test_peft_auto_class_on_a_folder_naming_itself_counts_the_lora_once(tiny_qwen3_dir, tmp_path):
+    """A pushed adapter_config.json names its own repository as the model (above); PEFT's AutoPeftModelForCausalLM
+    then loads that model (base, memory, LoRA) and its adapter into the same LoRA layers, under the same name: the
+    LoRA counts once, the logits are the model's (PEFT warns of a second peft_config). Here a folder names itself,
+    as a repository does once pushed (PEFT's loader reaches the real Hub for a repository id)."""
+    model = lora_model(tiny_qwen3_dir)
+    perturb(model)
+    ids = torch.randint(1, 200, (1, 40))
+    model.save_pretrained(tmp_path / "saved")
+    _edit_config(tmp_path / "saved", base_model_name_or_path=str(tmp_path / "saved"))
+    with pytest.warns(UserWarning, match="multiple adapters"):
+        loaded = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert type(loaded.base_model.model) is TitansQwenForCausalLM and list(loaded.peft_config) == ["default"]
+    assert torch.equal(logits(loaded, ids), logits(model, ids))
 
 
 # ---- hostile adapter folders ----
