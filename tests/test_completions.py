@@ -211,20 +211,35 @@ def test_two_process_ddp_on_a_store_takes_the_steps_of_one_process(tiny_qwen3_di
     assert trained_from_zero and all(one[name].any() for name in trained_from_zero)
 
 
-def test_prompt_pass_says_once_that_it_keeps_activations_under_checkpointing(tiny_qwen3_dir, caplog):
-    """Checkpointing does not reach the prompt-once path (its cache would be written twice by a recomputation): a
-    training call with checkpoint_chunks says so once; without checkpointing, or under no_grad, nothing is said."""
-    batch = CompletionsCollator(pad_token_id=0, chunk_size=CHUNK)(
-        [{"prompt_ids": list(range(3, 23)), "chosen_ids": [30, 31], "rejected_ids": [40, 41, 42]}])
-    scored = (batch["prompt_ids"], batch["completion_ids"], batch["prompt_attention_mask"], batch["completion_mask"])
-    with caplog.at_level("WARNING", logger="titans_hf.modeling.modeling_titans_qwen"):
-        plain = memory_model(tiny_qwen3_dir, checkpoint_chunks=False).train()
-        plain.completion_log_probs(*scored)
-        checkpointed = memory_model(tiny_qwen3_dir, checkpoint_chunks=True).train()
-        with torch.no_grad():
-            checkpointed.completion_log_probs(*scored)
-        assert not [r for r in caplog.records if "not recomputed" in r.getMessage()]
-        checkpointed.completion_log_probs(*scored)
-        checkpointed.completion_log_probs(*scored)
-    said = [r for r in caplog.records if "not recomputed" in r.getMessage()]
-    assert len(said) == 1 and "the prompt's activations stay in memory" in said[0].getMessage()
+@pytest.mark.parametrize("attend_previous_chunk", [True, False])
+def test_checkpointed_prompt_chunks_are_recomputed_and_score_as_without(tiny_qwen3_dir, attend_previous_chunk):
+    """Under checkpoint_chunks a training call streams each prompt up to its last chunk without a cache, chunk by
+    chunk recomputed in backward (the memory sees those chunks again during backward), and hands the state to a
+    cache for the last chunk and the answers: log-probabilities and gradients as the single cached pass gives."""
+    generator = torch.Generator().manual_seed(3)
+    prompt = torch.randint(1, 300, (2, 19), generator=generator)
+    prompt_mask = torch.ones_like(prompt)
+    prompt_mask[1, :4] = 0  # 15 tokens: one whole chunk of 8 before its last
+    completions = torch.randint(1, 300, (2, 3, 5), generator=generator)
+    completion_mask = torch.ones_like(completions)
+    completion_mask[0, 2, 2:] = 0
+    results = []
+    for checkpoint_chunks in (True, False):
+        model = memory_model(tiny_qwen3_dir, attend_previous_chunk=attend_previous_chunk,
+                             checkpoint_chunks=checkpoint_chunks)
+        open_memory(model)
+        model.train()
+        seen = []
+        hook = model.memory["1"].register_forward_hook(lambda module, args, output: seen.append(args[1].shape[1]))
+        scored = model.completion_log_probs(prompt, completions, prompt_mask, completion_mask)
+        forward_tokens = sum(seen)
+        (scored * torch.arange(1, 6)).sum().backward()
+        hook.remove()
+        grads = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+        results.append((scored.detach(), grads, forward_tokens, sum(seen) - forward_tokens))
+    (checkpointed, grads, _, recomputed), (cached, cached_grads, _, not_recomputed) = results
+    assert recomputed == 16 + 8 and not_recomputed == 0  # rows' chunks before their last: 2 x 8 and 1 x 8 tokens
+    torch.testing.assert_close(checkpointed, cached, atol=1e-5, rtol=1e-5)
+    for name, grad in cached_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert any(grad.abs().sum() > 0 for name, grad in grads.items() if name.startswith("memory."))

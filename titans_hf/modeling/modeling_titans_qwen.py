@@ -384,7 +384,6 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         self._memory_enabled = True
         self._layer_major_enabled = True
         self._warned_frozen_memory = False
-        self._warned_prompt_checkpointing = False
         self.post_init()
         self._apply_freeze_base()
 
@@ -710,8 +709,8 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         prompt [batch, prompt tokens] (left padding allowed) streams through the chunks and the memory into a
         cache, which is then repeated for the completions [batch, group, tokens] (right-padded; `completion_mask`
         1 on their tokens), all of which continue from that one memory state. Returns [batch, group, tokens],
-        0 where the mask is 0; differentiable, through the prompt's memory updates too (with a cache, chunks are
-        not recomputed in backward: the prompt's activations stay in memory). What DPO (a group of 2) and GRPO
+        0 where the mask is 0; differentiable, through the prompt's memory updates too (under checkpointing the
+        prompt's chunks but its last are recomputed in backward, row by row). What DPO (a group of 2) and GRPO
         score; equal to the log-probabilities of each completion read after its prompt as one row.
 
         The same as `model(input_ids=prompt_ids, attention_mask=prompt_attention_mask, completion_ids=...,
@@ -721,27 +720,55 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
 
     def _score_completions(self, prompt_ids: torch.LongTensor, prompt_attention_mask: Tensor | None,
                            completion_ids: torch.LongTensor, completion_mask: Tensor | None) -> Tensor:
-        """`completion_log_probs`' work, run by `forward`: the prompt into a cache, then every completion from it."""
+        """`completion_log_probs`' work, run by `forward`: the prompt into a cache, then every completion from it.
+        Under checkpointing (a training call with `checkpoint_chunks` or gradient checkpointing) each row goes
+        alone, its prompt up to its last chunk as a cache-less stream whose chunks are recomputed in backward
+        (`_prompt_cache`), so a long prompt holds one chunk's activations, not all of them."""
         if prompt_ids is None or prompt_ids.dim() != 2 or prompt_ids.shape[1] == 0:
             raise ValueError(f"completion_log_probs: prompt_ids must be [batch, tokens >= 1], got "
-                             f"{None if prompt_ids is None else tuple(prompt_ids.shape)}: the first completion token is predicted from the prompt")
+                             f"{None if prompt_ids is None else tuple(prompt_ids.shape)}: the first completion "
+                             "token is predicted from the prompt")
         if completion_ids.dim() != 3 or completion_ids.shape[0] != prompt_ids.shape[0]:
             raise ValueError(f"completion_log_probs: completion_ids must be [batch {prompt_ids.shape[0]}, group, "
                              f"tokens], got {tuple(completion_ids.shape)}")
-        batch_size, group, length = completion_ids.shape
         if prompt_attention_mask is None:
             prompt_attention_mask = torch.ones_like(prompt_ids)
         if completion_mask is None:
             completion_mask = torch.ones_like(completion_ids)
-        # `forward`, not `self(...)`: inside the call a DDP / FSDP wrapper made, its hooks must not run again
         memory = self.config.memory_config
-        if (self.training and torch.is_grad_enabled() and (memory.checkpoint_chunks or self.gradient_checkpointing)
-                and not self._warned_prompt_checkpointing):
-            self._warned_prompt_checkpointing = True
-            logger.warning("completion_log_probs: chunks are not recomputed in backward on this path (the prompt "
-                           "streams into a cache, which a recomputation would write twice): the prompt's activations "
-                           "stay in memory, whatever gradient checkpointing / checkpoint_chunks say")
+        if not (self.training and torch.is_grad_enabled() and (memory.checkpoint_chunks or self.gradient_checkpointing)):
+            return self._score_from_cache(TitansCache(self.config), prompt_ids, prompt_attention_mask, completion_ids,
+                                          completion_mask)
+        rows = []
+        for row in range(prompt_ids.shape[0]):
+            prompt = prompt_ids[row:row + 1, prompt_attention_mask[row].bool()]  # its tokens, without left padding
+            if prompt.shape[1] == 0:
+                raise ValueError(f"completion_log_probs: prompt row {row} has no token (attention mask all 0)")
+            cache, tail = self._prompt_cache(prompt)
+            rows.append(self._score_from_cache(cache, tail, torch.ones_like(tail), completion_ids[row:row + 1],
+                                               completion_mask[row:row + 1]))
+        return torch.cat(rows)
+
+    def _prompt_cache(self, prompt: torch.LongTensor) -> tuple[TitansCache, torch.LongTensor]:
+        """(a cache holding one row's stream after every chunk of `prompt` [1, tokens] but its last, the prompt's
+        last chunk): the chunks before run as a cache-less stream, checkpointed chunk by chunk, and the cache is
+        seeded with the memory states and the last of those chunks' keys (as `start_new_chunk` leaves them)."""
+        chunk_size = self.config.memory_config.chunk_size
+        head = (prompt.shape[1] - 1) // chunk_size * chunk_size
         cache = TitansCache(self.config)
+        if head:
+            carry: dict[str, Any] = {}
+            self._stream(prompt[:, :head], None, None, None, head, False, None, carry=carry)
+            cache.memory_states, cache.seen_tokens = carry["states"], head
+            for index, (keys, values) in enumerate(carry["previous"].key_values if carry["previous"] else []):
+                cache.update(keys, values, index)  # at the positions before the next chunk's: nothing to move
+        return cache, prompt[:, head:]
+
+    def _score_from_cache(self, cache: TitansCache, prompt_ids: torch.LongTensor, prompt_attention_mask: Tensor,
+                          completion_ids: torch.LongTensor, completion_mask: Tensor) -> Tensor:
+        """The prompt (or its rest) into `cache`, then every completion from the state it leaves."""
+        batch_size, group, length = completion_ids.shape
+        # `forward`, not `self(...)`: inside the call a DDP / FSDP wrapper made, its hooks must not run again
         last = self.forward(input_ids=prompt_ids, attention_mask=prompt_attention_mask, cache=cache, use_cache=True,
                             logits_to_keep=1).logits
         cache.batch_repeat_interleave(group)
@@ -1183,10 +1210,13 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         keep_start: int,
         predict: bool,
         hidden_states: str | None,
+        carry: dict[str, Any] | None = None,
     ) -> tuple[Tensor | None, Tensor | None, tuple[Tensor, Tensor] | None, tuple[Tensor, ...] | None]:
         """The chunk loop over rows whose chunks line up: (logits of positions >= keep_start or None, summed loss or
         None, with `predict` the greedy next token and loss of every position, with `hidden_states` the per-layer
-        hidden states). Continues `cache`'s stream and leaves it after these tokens."""
+        hidden states). Continues `cache`'s stream and leaves it after these tokens; without a cache, `carry` (a
+        dict) receives the stream's end: the memory `states` and the `previous` chunk (None without
+        attend_previous_chunk), what a cache would hold."""
         batch_size, length = inputs.shape[:2]
         if cache is not None and cache.memory_states is not None:
             states = cache.memory_states
@@ -1198,7 +1228,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         use_checkpoint = ((memory.checkpoint_chunks or self.gradient_checkpointing) and self.training
                           and torch.is_grad_enabled() and cache is None)
 
-        if self._runs_layer_major(length, cache, use_checkpoint):
+        if carry is None and self._runs_layer_major(length, cache, use_checkpoint):
             return self._stream_layer_major(inputs, token_mask, shifted_labels, states, keep_start, predict,
                                             hidden_states)
 
@@ -1254,6 +1284,8 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         if cache is not None:
             cache.memory_states = states
             cache.seen_tokens = seen + length
+        if carry is not None:
+            carry.update(states=states, previous=previous)
         join = lambda parts: parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # noqa: E731
         return (
             join(all_logits) if all_logits else None,
