@@ -495,7 +495,8 @@ class NeuralMemory(nn.Module):
         etas = gates[:, :H].reshape(BH, n_full, 1, 1).unbind(1)
         keeps = (1 - gates[:, H:]).reshape(BH, n_full, 1, 1).unbind(1)
         valids = [None] * n_full
-        if mask is not None and not bool((count > 0).all()):
+        # compiled, a mask always selects per row (a graph cannot branch on the values it computes)
+        if mask is not None and (torch.compiler.is_compiling() or not bool((count > 0).all())):
             valids = (count > 0).repeat_interleave(H, dim=0).view(BH, n_full, 1, 1).unbind(1)
 
         # groups of consecutive full chunks that share one gradient point (the rest of a memory batch)

@@ -384,6 +384,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         self._memory_enabled = True
         self._layer_major_enabled = True
         self._warned_frozen_memory = False
+        self._compiled_chunk_step = None  # set by compile_chunks()
         self.post_init()
         self._apply_freeze_base()
 
@@ -684,6 +685,28 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         finally:
             self._layer_major_enabled = previous
 
+    def compile_chunks(self, enable: bool = True, **compile_options: Any) -> "TitansQwenForCausalLM":
+        """Run the chunk step under `torch.compile(fullgraph=True, **compile_options)` (e.g. `backend="inductor"`,
+        `mode="max-autotune"`), or with `enable=False` eagerly again; returns the model.
+
+        The step is one chunk (or decoding piece) through every decoder layer with its memory block, the final norm
+        and the LM head (`_chunk_step`): one graph without breaks, compiled on the first chunk and reused by every
+        chunk after it, in forward, backward, per-chunk checkpointing and generate's prefill. The chunk loop around
+        it, the masks and positions (built once per shape), the embedding and the cache stay in Python. A stream
+        compiles a few graphs whatever its length (the first chunk, which has no previous chunk to attend to, the
+        chunks after it, and a last partial chunk); decoding's tokens that continue a chunk run eagerly (each length
+        of the memory's unfinished update chunk would be a graph of its own). With compiled chunks the stream always
+        runs chunk by chunk: the layer-major order would compile the memory's whole segment, every update chunk
+        unrolled.
+
+        A setting of the run, not of the memory: it is not saved, and a memory trained with it loads and runs
+        eagerly. Call it instead of `torch.compile(model)` (or the Trainer's `torch_compile`), which would trace the
+        chunk loop itself: the input checks and the rows' padding read tensors into Python, and every chunk would be
+        unrolled into one graph."""
+        self._compiled_chunk_step = (torch.compile(type(self)._chunk_step, fullgraph=True, **compile_options)
+                                     if enable else None)
+        return self
+
     # ---- what trainers reach for inside the model (TRL) ----
 
     @property
@@ -971,7 +994,48 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
             attention_mask, past = self._chunk_attention_mask(mask, cache, batch_size, hidden.shape[1], hidden.device)
         position_ids, masks, position_embeddings = self._chunk_geometry(hidden, attention_mask, attention_cache, past,
                                                                         geometry)
+        if self._compiled_chunk_step is None or not starts_chunk:
+            # decoding continues a chunk token by token: each length of the memory's unfinished update chunk would
+            # compile a graph of its own, so those pieces run eagerly
+            step = self._chunk_step
+        else:  # what a compiled graph guards on: fresh contiguous tensors, whatever the stream's length
+            step = functools.partial(self._compiled_chunk_step, self)
+            fresh = lambda t: None if t is None else t.clone(memory_format=torch.contiguous_format)  # noqa: E731
+            token_mask, shifted_labels = fresh(token_mask), fresh(shifted_labels)
+            if inputs.is_floating_point():  # a slice of the caller's embeddings (ids were embedded afresh)
+                hidden = fresh(hidden)
+        logits, loss_sum, per_token, new_states, all_hidden = step(
+            hidden, states, token_mask, shifted_labels, num_prefix, keep_from, enabled, predict, hidden_states,
+            attention_cache, masks, position_embeddings, position_ids)
+        current = None
+        if previous is not None:
+            current = PreviousChunk(
+                [(layer.keys[:, :, past:], layer.values[:, :, past:]) for layer in attention_cache.layers],
+                None if attention_mask is None else as_previous_chunk_mask(attention_mask[:, past:], num_prefix),
+            )
+        return logits, loss_sum, per_token, new_states, current, all_hidden
 
+    def _chunk_step(
+        self,
+        hidden: Tensor,
+        states: dict[int, MemoryState],
+        token_mask: Tensor | None,
+        shifted_labels: Tensor | None,
+        num_prefix: int,
+        keep_from: int,
+        enabled: bool,
+        predict: bool,
+        hidden_states: str | None,
+        attention_cache: DynamicCache | None,
+        masks: dict,
+        position_embeddings: tuple[Tensor, Tensor],
+        position_ids: Tensor,
+    ) -> tuple[Tensor | None, Tensor | None, tuple[Tensor, Tensor] | None, dict[int, MemoryState],
+               tuple[Tensor, ...] | None]:
+        """The arithmetic of one piece, once its embeddings [B, prefix + T, hidden] and geometry are built: every
+        decoder layer with its memory block, the final norm and the LM head. Returns (logits, summed loss, per-token
+        predictions and losses, new memory states, hidden states) as `_forward_piece` describes them. What
+        `compile_chunks()` compiles (one graph, no breaks): nothing in it reads a tensor's value into Python."""
         new_states = dict(states)
         layer_types = self.config.text_config.layer_types
         all_hidden = [hidden[:, num_prefix:]] if hidden_states == "all" else None
@@ -989,16 +1053,9 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         hidden = self.model.norm(hidden[:, num_prefix:])
         if all_hidden is not None:
             all_hidden[-1] = hidden
-
         logits, loss_sum, per_token = self._head(hidden, shifted_labels, keep_from, predict)
-        current = None
-        if previous is not None:
-            current = PreviousChunk(
-                [(layer.keys[:, :, past:], layer.values[:, :, past:]) for layer in attention_cache.layers],
-                None if attention_mask is None else as_previous_chunk_mask(attention_mask[:, past:], num_prefix),
-            )
         last_hidden = (hidden,) if hidden_states == "last" else None
-        return logits, loss_sum, per_token, new_states, current, last_hidden if all_hidden is None else tuple(all_hidden)
+        return logits, loss_sum, per_token, new_states, last_hidden if all_hidden is None else tuple(all_hidden)
 
     def _head(self, hidden: Tensor, shifted_labels: Tensor | None, keep_from: int, predict: bool
               ) -> tuple[Tensor | None, Tensor | None, tuple[Tensor, Tensor] | None]:
@@ -1255,7 +1312,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
                 states,
                 cache,
                 starts_chunk,
-                max(0, keep_start - start),
+                min(end - start, max(0, keep_start - start)),  # the same value for every chunk before keep_start
                 self._memory_enabled,
                 predict,
                 previous,
@@ -1297,9 +1354,9 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
     def _runs_layer_major(self, length: int, cache: TitansCache | None, use_checkpoint: bool) -> bool:
         """Whether `_stream_layer_major` computes this stream: chunks that attend only to themselves (no previous
         chunk, no prefix tokens), no cache, no per-chunk checkpointing or truncated BPTT, more than one chunk, and
-        not inside `chunk_by_chunk()`."""
+        not inside `chunk_by_chunk()` or with `compile_chunks()`."""
         memory = self.config.memory_config
-        return (self._layer_major_enabled and cache is None and not use_checkpoint and not memory.attend_previous_chunk
+        return (self._layer_major_enabled and self._compiled_chunk_step is None and cache is None and not use_checkpoint and not memory.attend_previous_chunk
                 and not memory.bptt_chunks
                 and length > memory.chunk_size and not hasattr(self, "persistent_tokens")
                 and all(type(block).prefix_tokens is TitansMemoryBlock.prefix_tokens for block in self.memory.values()))

@@ -1,0 +1,97 @@
+"""`compile_chunks()`: the chunk step under torch.compile(fullgraph=True) equals the eager model.
+
+The suite compiles with the `aot_eager` backend (dynamo's trace and AOTAutograd's forward / backward split, the
+path inductor takes, without inductor's code generation, which costs minutes on a CPU); `scripts/bench_model.py
+--compile` measures inductor. `fullgraph=True` turns any graph break into an error, so a break fails these tests.
+"""
+
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend  # counts the graphs compiled (torch's own test helper)
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from titans_hf.modeling import TitansQwenConfig, TitansQwenForCausalLM
+
+CHUNK = 8
+
+
+def tiny_model(**memory_settings) -> TitansQwenForCausalLM:
+    """Two Qwen3 layers, a memory on the second (its default), chunks of 8 attending to the previous chunk, memory
+    updates of 4 tokens; W_O off its zero init so that the memory's read reaches the logits."""
+    torch.manual_seed(0)
+    text = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True)
+    text._attn_implementation = "sdpa"
+    config = TitansQwenConfig(text_config=text, memory_config=dict(
+        chunk_size=CHUNK, memory_chunk_size=4, memory_num_heads=2, memory_head_dim=16, freeze_base=False,
+        **memory_settings))
+    config._attn_implementation = "sdpa"
+    model = TitansQwenForCausalLM(config, backbone=Qwen3ForCausalLM(text))
+    with torch.no_grad():
+        for block in model.memory.values():
+            block.output_weight.normal_(std=0.5)
+    return model
+
+
+def padded_batch(length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two rows: the second left-padded by a whole chunk (a chunk that must write nothing to its memory) and both
+    right-padded by two tokens."""
+    ids = torch.randint(1, 64, (2, length), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    mask[1, :CHUNK] = 0
+    mask[:, -2:] = 0
+    return ids, mask
+
+
+def training_step(model: TitansQwenForCausalLM, ids: torch.Tensor, mask: torch.Tensor):
+    """(logits, loss, every gradient) of one forward + backward with labels."""
+    model.zero_grad(set_to_none=True)
+    out = model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100), logits_to_keep=ids.shape[1])
+    out.loss.backward()
+    return out.logits.detach(), out.loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()
+                                                    if p.grad is not None}
+
+
+def assert_same_step(compiled, eager) -> None:
+    torch.testing.assert_close(compiled[0], eager[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(compiled[1], eager[1], rtol=1e-6, atol=1e-6)
+    assert compiled[2].keys() == eager[2].keys()
+    assert any(name.startswith("memory.") for name in eager[2])
+    for name in eager[2]:
+        torch.testing.assert_close(compiled[2][name], eager[2][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_compiled_chunk_step_equals_eager_without_a_graph_break_or_a_recompile_per_chunk(one_thread):
+    """Training as the recipe runs it: each chunk checkpointed (recomputed, compiled, in backward)."""
+    model = tiny_model(checkpoint_chunks=True).train()
+    short, longer = padded_batch(5 * CHUNK + 3, seed=1), padded_batch(12 * CHUNK + 3, seed=2)
+    eager = [training_step(model, *batch) for batch in (short, longer)]
+
+    graphs = CompileCounterWithBackend("aot_eager")
+    model.compile_chunks(backend=graphs)
+    assert_same_step(training_step(model, *short), eager[0])
+    # three graphs: the first chunk (no previous chunk to attend to), the chunks after it, the last partial chunk
+    assert graphs.frame_count == 3
+    with torch.compiler.set_stance("fail_on_recompile"):  # more chunks, the same partial tail: nothing new
+        assert_same_step(training_step(model, *longer), eager[1])
+    assert graphs.frame_count == 3
+
+    model.compile_chunks(enable=False)
+    assert_same_step(training_step(model, *short), eager[0])
+    assert graphs.frame_count == 3
+
+
+def test_compiled_chunks_generate_as_eager(one_thread):
+    """The prefill's chunks run compiled (no gradient: graphs of their own), decoding's tokens that continue a
+    chunk eagerly: the same greedy tokens."""
+    model = tiny_model().eval()
+    ids = torch.randint(1, 64, (1, 3 * CHUNK + 5), generator=torch.Generator().manual_seed(3))
+    settings = dict(max_new_tokens=2 * CHUNK, do_sample=False, pad_token_id=0)
+    eager = model.generate(ids, **settings)
+    graphs = CompileCounterWithBackend("eager")  # no backward to split: dynamo's graphs, run as they are
+    compiled = model.compile_chunks(backend=graphs).generate(ids, **settings)
+    assert torch.equal(compiled, eager)
+    # the first chunk; the second, whose previous chunk's values the cache holds whole; the chunks after it,
+    # where they are a view into the two chunks' values (other strides); the prompt's partial last chunk; and the
+    # one-token pieces that start the chunks decoding enters
+    assert graphs.frame_count == 5
+
