@@ -1356,8 +1356,8 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         chunk, no prefix tokens), no cache, no per-chunk checkpointing or truncated BPTT, more than one chunk, and
         not inside `chunk_by_chunk()` or with `compile_chunks()`."""
         memory = self.config.memory_config
-        return (self._layer_major_enabled and self._compiled_chunk_step is None and cache is None and not use_checkpoint and not memory.attend_previous_chunk
-                and not memory.bptt_chunks
+        return (self._layer_major_enabled and self._compiled_chunk_step is None and cache is None
+                and not use_checkpoint and not memory.attend_previous_chunk and not memory.bptt_chunks
                 and length > memory.chunk_size and not hasattr(self, "persistent_tokens")
                 and all(type(block).prefix_tokens is TitansMemoryBlock.prefix_tokens for block in self.memory.values()))
 
