@@ -78,6 +78,10 @@ def test_compiled_chunk_step_equals_eager_without_a_graph_break_or_a_recompile_p
     model.compile_chunks(enable=False)
     assert_same_step(training_step(model, *short), eager[0])
     assert graphs.frame_count == 3
+    model.compile_chunks(backend=graphs)  # on again with the same options: the graphs compiled so far
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert_same_step(training_step(model, *short), eager[0])
+    assert graphs.frame_count == 3
 
 
 def test_compiled_chunks_generate_as_eager(one_thread):

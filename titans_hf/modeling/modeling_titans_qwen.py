@@ -385,6 +385,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         self._layer_major_enabled = True
         self._warned_frozen_memory = False
         self._compiled_chunk_step = None  # set by compile_chunks()
+        self._chunk_compiler: tuple[dict, Callable] | None = None  # (its options, the compiled step), kept when off
         self.post_init()
         self._apply_freeze_base()
 
@@ -687,7 +688,8 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
 
     def compile_chunks(self, enable: bool = True, **compile_options: Any) -> "TitansQwenForCausalLM":
         """Run the chunk step under `torch.compile(fullgraph=True, **compile_options)` (e.g. `backend="inductor"`,
-        `mode="max-autotune"`), or with `enable=False` eagerly again; returns the model.
+        `mode="max-autotune"`), or with `enable=False` eagerly again (enabled again with the same options, the graphs
+        compiled so far serve); returns the model.
 
         The step is one chunk (or decoding piece) through every decoder layer with its memory block, the final norm
         and the LM head (`_chunk_step`): one graph without breaks, compiled on the first chunk and reused by every
@@ -700,11 +702,12 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         unrolled.
 
         A setting of the run, not of the memory: it is not saved, and a memory trained with it loads and runs
-        eagerly. Call it instead of `torch.compile(model)` (or the Trainer's `torch_compile`), which would trace the
-        chunk loop itself: the input checks and the rows' padding read tensors into Python, and every chunk would be
-        unrolled into one graph."""
-        self._compiled_chunk_step = (torch.compile(type(self)._chunk_step, fullgraph=True, **compile_options)
-                                     if enable else None)
+        eagerly. Call it instead of `torch.compile(model)` (or the Trainer's `torch_compile`), which traces the whole
+        forward: the chunk loop unrolled, broken wherever the input checks and the rows' padding read a tensor."""
+        if enable and (self._chunk_compiler is None or self._chunk_compiler[0] != compile_options):
+            self._chunk_compiler = (compile_options,
+                                    torch.compile(type(self)._chunk_step, fullgraph=True, **compile_options))
+        self._compiled_chunk_step = self._chunk_compiler[1] if enable else None
         return self
 
     # ---- what trainers reach for inside the model (TRL) ----
