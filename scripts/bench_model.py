@@ -13,7 +13,11 @@
 5. `--gpu`: the prepared device run (not yet run: no device lent so far), the 0.5B-shaped model at 32k tokens,
    chunk 4096, bf16, training step: tokens/s with the memory vs the same chunking vs full attention (SDPA, which
    takes its flash kernel on CUDA for causal attention without a mask), and the share of the device's bf16 peak
-   (`--peak-tflops`, default an H100/H200's 989 dense) that the model FLOPs (6 N per token plus attention) reach.
+   (`--peak-tflops`, default an H100/H200's 989 dense) that the model FLOPs (6 N per token plus attention) reach;
+   beside them the Titans step with `compile_chunks()` (inductor; `--compile-backend none` leaves it out), its first
+   call's time (the compile) in `compile_seconds`.
+6. `--compile`: the stand-in at batch 1, 1024 tokens, forward, with `compile_chunks()` (inductor, CPU) against the
+   eager model (layer-major) and the eager chunk loop: the compile time (first call) and tokens/s side by side.
 
 Goals (issue 23): memory adds <= 25% to the tiny training step; training memory grows sub-linearly in chunks;
 prefill tokens/s within 15% and peak memory flat from 32k to 1M; the stand-in with memory >= 0.6x the tokens/s of
@@ -162,7 +166,13 @@ class _null:
         return False
 
 
-def bench_training(name, shape, layers, tokens, chunk_size, device, dtype, repeats) -> list[dict]:
+COMPILED = "titans mag, compiled chunks"
+
+
+def bench_training(name, shape, layers, tokens, chunk_size, device, dtype, repeats,
+                   compile_backend: str | None = None) -> list[dict]:
+    """With `compile_backend`, the Titans step with `compile_chunks(backend=...)` too (its first call, which
+    compiles, timed on its own); a compile that fails is reported in its row, the other rows still run."""
     base, titans = build_models(shape, layers, chunk_size, device, dtype, freeze_base=False)
     base.train(), titans.train()
     ids = torch.randint(0, shape["vocab_size"], (1, tokens), device=device)
@@ -172,18 +182,38 @@ def bench_training(name, shape, layers, tokens, chunk_size, device, dtype, repea
         train_step(titans, ids)()
         titans.model.requires_grad_(True), titans.lm_head.requires_grad_(True)
 
+    def compiled_step():
+        titans.compile_chunks(backend=compile_backend)
+        try:
+            train_step(titans, ids)()
+        finally:
+            titans.compile_chunks(enable=False)
+
     runs = {
         "titans mag (1 memory layer)": train_step(titans, ids),
         "same chunking, no memory": train_step(titans, ids, titans.memory_disabled),
         "plain qwen, full attention": train_step(base, ids),
         "titans mag, frozen base (recipe)": frozen_base_step,
     }
+    compiled = {}
+    if compile_backend is not None:
+        compiled = dict(compile_backend=compile_backend)
+        try:
+            ((compiled["compile_seconds"], compiled["compile_cpu_seconds"]),) = fastest_interleaved(
+                [compiled_step], device, 1)
+            runs[COMPILED] = compiled_step
+        except Exception as error:  # noqa: BLE001 - a one-call device run keeps its other columns
+            compiled["compile_error"] = f"{type(error).__name__}: {error}"[:2000]
     peaks = {label: peak_of_first_call(fn, device) for label, fn in runs.items()}
     times = dict(zip(runs, fastest_interleaved(list(runs.values()), device, repeats)))
-    return [dict(bench="train_step", config=name, model=label, tokens=tokens, chunk_size=chunk_size,
+    rows = [dict(bench="train_step", config=name, model=label, tokens=tokens, chunk_size=chunk_size,
                  tokens_per_s=tokens / times[label][0], seconds=times[label][0], cpu_seconds=times[label][1],
-                 peak_mb=peaks[label] / 2**20)
+                 peak_mb=peaks[label] / 2**20, **(compiled if label == COMPILED else {}))
             for label in runs]
+    if compiled and COMPILED not in runs:
+        rows.append(dict(bench="train_step", config=name, model=COMPILED, tokens=tokens, chunk_size=chunk_size,
+                         **compiled))
+    return rows
 
 
 def bench_chunks(chunk_size, counts, device, dtype) -> list[dict]:
@@ -223,8 +253,8 @@ def bench_prefill(lengths, chunk_size, device, dtype) -> list[dict]:
     return rows
 
 
-def bench_stand_in(lengths, repeats: int) -> list[dict]:
-    """The main job's stand-in at batch 1, forward only (what evaluation and the loss over long rows run)."""
+def stand_in_models() -> tuple[Qwen3ForCausalLM, TitansQwenForCausalLM]:
+    """The main job's stand-in base (random weights) and a TitansQwen with its memory settings around it."""
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=96, intermediate_size=2 * STAND_IN_BASE["hidden_size"],
                          head_dim=STAND_IN_BASE["hidden_size"] // STAND_IN_BASE["num_attention_heads"],
@@ -237,23 +267,70 @@ def bench_stand_in(lengths, repeats: int) -> list[dict]:
     with torch.no_grad():
         for block in titans.memory.values():  # off its zero init, so the memory's read reaches the output
             block.output_weight.normal_(std=0.02)
+    return base, titans
+
+
+def forward_only(model, ids, context=None):
+    def run():
+        with torch.no_grad(), context() if context else _null():
+            model(ids)
+    return run
+
+
+def bench_stand_in(lengths, repeats: int) -> list[dict]:
+    """The main job's stand-in at batch 1, forward only (what evaluation and the loss over long rows run)."""
+    base, titans = stand_in_models()
     rows = []
     for length in lengths:
-        ids = torch.randint(0, config.vocab_size, (1, length))
+        ids = torch.randint(0, base.config.vocab_size, (1, length))
 
-        def forward(model, context=None):
-            def run():
-                with torch.no_grad(), context() if context else _null():
-                    model(ids)
-            return run
-
-        runs = {"stand-in with memory": forward(titans), "same chunk loop, memory off":
-                forward(titans, titans.memory_disabled), "plain base, full attention": forward(base)}
+        runs = {"stand-in with memory": forward_only(titans, ids), "same chunk loop, memory off":
+                forward_only(titans, ids, titans.memory_disabled), "plain base, full attention": forward_only(base, ids)}
         times = dict(zip(runs, fastest_interleaved(list(runs.values()), torch.device("cpu"), repeats)))
         rows += [dict(bench="stand_in_forward", model=label, tokens=length, chunk_size=32,
                       tokens_per_s=length / times[label][1],  # of CPU time: steadier on a shared machine
                       seconds=times[label][0], cpu_seconds=times[label][1])
                  for label in runs]
+    return rows
+
+
+def bench_compiled_stand_in(length: int, repeats: int, backend: str) -> list[dict]:
+    """The stand-in at batch 1, forward only, with `compile_chunks(backend=...)` against the eager model (its
+    layer-major order, which the stand-in's chunk-local attention allows) and the eager chunk loop (what is
+    compiled). Compile time is the first compiled call's, less an eager chunk-loop call's time; a second call shows
+    whether anything compiled again."""
+    base, titans = stand_in_models()
+    ids = torch.randint(0, base.config.vocab_size, (1, length))
+    eager_loop = forward_only(titans, ids, titans.chunk_by_chunk)
+    eager_loop()
+    ((loop_wall, loop_cpu),) = fastest_interleaved([eager_loop], torch.device("cpu"), 1)
+    compiled_forward = forward_only(titans, ids)
+    first = []
+    for _ in range(2):
+        titans.compile_chunks(backend=backend)
+        wall, cpu = time.perf_counter(), time.process_time()
+        compiled_forward()
+        first.append((time.perf_counter() - wall, time.process_time() - cpu))
+        titans.compile_chunks(enable=False)
+
+    def switched(compiled: bool, run):
+        def call():
+            titans.compile_chunks(enable=compiled, **({"backend": backend} if compiled else {}))
+            try:
+                run()
+            finally:
+                titans.compile_chunks(enable=False)
+        return call
+
+    runs = {"eager (layer-major)": switched(False, forward_only(titans, ids)),
+            "eager chunk loop": switched(False, eager_loop),
+            f"compiled chunk loop ({backend})": switched(True, compiled_forward)}
+    times = dict(zip(runs, fastest_interleaved(list(runs.values()), torch.device("cpu"), repeats)))
+    rows = [dict(bench="stand_in_compiled", model=label, tokens=length, chunk_size=32,
+                 tokens_per_s=length / times[label][1], seconds=times[label][0], cpu_seconds=times[label][1])
+            for label in runs]
+    rows[-1].update(compile_seconds=first[0][0] - loop_wall, compile_cpu_seconds=first[0][1] - loop_cpu,
+                    second_call_seconds=first[1][0])
     return rows
 
 
@@ -288,6 +365,25 @@ def summarise(rows: list[dict], clock: str) -> dict:
             frozen_base_step_vs_same_chunking=step["titans mag, frozen base (recipe)"][clock] / chunked[clock],
             peak_vs_same_chunking=titans["peak_mb"] / max(chunked["peak_mb"], 1e-9),
         )
+        compiled = step.get(COMPILED)
+        if compiled is not None and clock in compiled:
+            summary[config].update(compiled_step_time_vs_eager=compiled[clock] / titans[clock],
+                                   compiled_step_time_vs_same_chunking=compiled[clock] / chunked[clock],
+                                   compiled_step_time_vs_full_attention=compiled[clock] / plain[clock],
+                                   compile_seconds=compiled["compile_seconds"])
+        elif compiled is not None:
+            summary[config].update(compile_error=compiled["compile_error"])
+    compiled = {r["model"]: r for r in rows if r["bench"] == "stand_in_compiled"}
+    if compiled:
+        eager, loop = compiled["eager (layer-major)"], compiled["eager chunk loop"]
+        label, = (label for label in compiled if label.startswith("compiled"))
+        summary[f"stand_in_{eager['tokens']}_tokens_compiled"] = dict(  # tokens/s of CPU time
+            compiled_vs_eager=compiled[label]["tokens_per_s"] / eager["tokens_per_s"],
+            compiled_vs_eager_chunk_loop=compiled[label]["tokens_per_s"] / loop["tokens_per_s"],
+            compile_seconds=compiled[label]["compile_seconds"],
+            compile_cpu_seconds=compiled[label]["compile_cpu_seconds"],
+            second_call_seconds=compiled[label]["second_call_seconds"],
+        )
     for checkpointed in (True, False):
         chunks = [r for r in rows if r["bench"] == "train_memory_vs_chunks" and r["checkpoint_chunks"] == checkpointed]
         if chunks:
@@ -317,7 +413,7 @@ def summarise(rows: list[dict], clock: str) -> dict:
 
 def print_table(rows: list[dict]) -> None:
     columns = ["bench", "config", "model", "checkpoint_chunks", "chunks", "tokens", "chunk_size", "tokens_per_s",
-               "seconds", "cpu_seconds", "peak_mb", "model_tflops_per_s", "percent_of_bf16_peak"]
+               "seconds", "cpu_seconds", "peak_mb", "compile_seconds", "model_tflops_per_s", "percent_of_bf16_peak"]
     shown = [c for c in columns if any(c in r for r in rows)]
     fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else ("" if v is None else str(v))  # noqa: E731
     table = [shown] + [[fmt(r.get(c)) for c in shown] for r in rows]
@@ -333,6 +429,12 @@ def main() -> None:
     parser.add_argument("--gpu", action="store_true", help="only the prepared device run (0.5B shape, 32k, bf16)")
     parser.add_argument("--peak-tflops", type=float, default=989.0,
                         help="--gpu: the device's dense bf16 peak in TFLOP/s (H100 / H200 SXM: 989)")
+    parser.add_argument("--compile", action="store_true",
+                        help="only the stand-in at batch 1 (1024 tokens, forward) with compile_chunks() against eager "
+                             "(CPU, --compile-backend): compile time and tokens/s")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="--compile and --gpu: torch.compile's backend for compile_chunks() (--gpu: 'none' leaves "
+                             "the compiled column out)")
     parser.add_argument("--long", action="store_true", help="full mode: the prefill at 1M prompt tokens as well")
     parser.add_argument("--only", choices=["train", "chunks", "prefill", "stand-in"], nargs="*",
                         help="full or quick mode: only these parts")
@@ -346,11 +448,16 @@ def main() -> None:
         if not torch.cuda.is_available():
             raise SystemExit("--gpu: no CUDA device here")
         device, dtype = torch.device("cuda"), torch.bfloat16
-        rows += bench_training("qwen2.5-0.5b shape, bf16", QWEN25_05B, None, 32768, 4096, device, dtype, repeats=3)
-        for row in rows:  # the memory's own FLOPs are left out: a share of peak for the backbone's work
+        backend = None if args.compile_backend == "none" else args.compile_backend
+        rows += bench_training("qwen2.5-0.5b shape, bf16", QWEN25_05B, None, 32768, 4096, device, dtype, repeats=3,
+                               compile_backend=backend)
+        for row in (r for r in rows if "seconds" in r):  # the memory's own FLOPs are left out: the backbone's work
             flops = model_flops(QWEN25_05B, row["tokens"], None if "full attention" in row["model"] else 4096)
             row["model_tflops_per_s"] = flops / row["seconds"] / 1e12
             row["percent_of_bf16_peak"] = 100 * row["model_tflops_per_s"] / args.peak_tflops
+    elif args.compile:
+        device = torch.device("cpu")
+        rows += bench_compiled_stand_in(1024, repeats=5, backend=args.compile_backend)
     else:
         device, dtype = torch.device("cpu"), torch.float32
         parts = set(args.only or ["train", "chunks", "prefill", "stand-in"])
