@@ -1,9 +1,9 @@
 """`compile_chunks()`: the chunk step under torch.compile(fullgraph=True) equals the eager model.
 
-The suite compiles with the `aot_eager` backend (dynamo's trace and AOTAutograd's forward / backward split, the
-path inductor takes, without inductor's code generation, which costs minutes on a CPU); `scripts/bench_model.py
---compile` measures inductor. `fullgraph=True` turns any graph break into an error, so a break fails these tests.
-"""
+The suite compiles with the `aot_eager` backend: dynamo's trace and AOTAutograd's forward / backward split, the path
+inductor takes, without inductor's code generation (46 s for the demo's stand-in, forward only, on the 2-core CPU;
+`scripts/bench_model.py --compile` measures it). `fullgraph=True` turns any graph break into an error, so a break
+fails these tests."""
 
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend  # counts the graphs compiled (torch's own test helper)
