@@ -204,7 +204,10 @@ def bench_training(name, shape, layers, tokens, chunk_size, device, dtype, repea
             runs[COMPILED] = compiled_step
         except Exception as error:  # noqa: BLE001 - a one-call device run keeps its other columns
             compiled["compile_error"] = f"{type(error).__name__}: {error}"[:2000]
+        print(f"{name}: compile_chunks(backend={compile_backend!r}) {compiled}", file=sys.stderr, flush=True)
     peaks = {label: peak_of_first_call(fn, device) for label, fn in runs.items()}
+    print(f"{name}: peaks (MB) {({label: round(peak / 2**20) for label, peak in peaks.items()})}", file=sys.stderr,
+          flush=True)
     times = dict(zip(runs, fastest_interleaved(list(runs.values()), device, repeats)))
     rows = [dict(bench="train_step", config=name, model=label, tokens=tokens, chunk_size=chunk_size,
                  tokens_per_s=tokens / times[label][0], seconds=times[label][0], cpu_seconds=times[label][1],
@@ -284,8 +287,9 @@ def bench_stand_in(lengths, repeats: int) -> list[dict]:
     for length in lengths:
         ids = torch.randint(0, base.config.vocab_size, (1, length))
 
-        runs = {"stand-in with memory": forward_only(titans, ids), "same chunk loop, memory off":
-                forward_only(titans, ids, titans.memory_disabled), "plain base, full attention": forward_only(base, ids)}
+        runs = {"stand-in with memory": forward_only(titans, ids),
+                "same chunk loop, memory off": forward_only(titans, ids, titans.memory_disabled),
+                "plain base, full attention": forward_only(base, ids)}
         times = dict(zip(runs, fastest_interleaved(list(runs.values()), torch.device("cpu"), repeats)))
         rows += [dict(bench="stand_in_forward", model=label, tokens=length, chunk_size=32,
                       tokens_per_s=length / times[label][1],  # of CPU time: steadier on a shared machine
