@@ -17,7 +17,8 @@
    beside them the Titans step with `compile_chunks()` (inductor; `--compile-backend none` leaves it out), its first
    call's time (the compile) in `compile_seconds`.
 6. `--compile`: the stand-in at batch 1, 1024 tokens, forward, with `compile_chunks()` (inductor, CPU) against the
-   eager model (layer-major) and the eager chunk loop: the compile time (first call) and tokens/s side by side.
+   eager model (layer-major) and the eager chunk loop, and the tiny config's training step (256 tokens, chunks of
+   64) as in part 1 with the compiled step beside it: compile times (first call) and tokens/s side by side.
 
 Goals (issue 23): memory adds <= 25% to the tiny training step; training memory grows sub-linearly in chunks;
 prefill tokens/s within 15% and peak memory flat from 32k to 1M; the stand-in with memory >= 0.6x the tokens/s of
@@ -434,8 +435,9 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=989.0,
                         help="--gpu: the device's dense bf16 peak in TFLOP/s (H100 / H200 SXM: 989)")
     parser.add_argument("--compile", action="store_true",
-                        help="only the stand-in at batch 1 (1024 tokens, forward) with compile_chunks() against eager "
-                             "(CPU, --compile-backend): compile time and tokens/s")
+                        help="only compile_chunks() against eager (CPU, --compile-backend): the stand-in at batch 1 "
+                             "(1024 tokens, forward) and the tiny training step (256 tokens); compile time and "
+                             "tokens/s")
     parser.add_argument("--compile-backend", default="inductor",
                         help="--compile and --gpu: torch.compile's backend for compile_chunks() (--gpu: 'none' leaves "
                              "the compiled column out)")
@@ -462,6 +464,8 @@ def main() -> None:
     elif args.compile:
         device = torch.device("cpu")
         rows += bench_compiled_stand_in(1024, repeats=5, backend=args.compile_backend)
+        rows += bench_training("tiny", TINY, None, 256, 64, device, torch.float32, repeats=3,
+                               compile_backend=args.compile_backend)
     else:
         device, dtype = torch.device("cpu"), torch.float32
         parts = set(args.only or ["train", "chunks", "prefill", "stand-in"])

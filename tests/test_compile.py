@@ -99,3 +99,21 @@ def test_compiled_chunks_generate_as_eager(one_thread):
     # one-token pieces that start the chunks decoding enters
     assert graphs.frame_count == 5
 
+
+
+def test_compiled_chunks_equal_the_layer_major_stream(one_thread):
+    """Chunks that attend only to themselves (the demo's setting) run layer by layer when eager; compiled, chunk by
+    chunk: the same logits and hidden states, padding included."""
+    model = tiny_model(attend_previous_chunk=False).eval()
+    ids, mask = padded_batch(5 * CHUNK + 3, seed=4)
+    assert model._runs_layer_major(ids.shape[1], None, False)
+    with torch.no_grad():
+        eager = model(ids, attention_mask=mask, output_hidden_states=True)
+        graphs = CompileCounterWithBackend("eager")  # no backward to split: dynamo's graphs, run as they are
+        compiled = model.compile_chunks(backend=graphs)(ids, attention_mask=mask, output_hidden_states=True)
+    real = mask.bool()  # what padding positions hold means nothing (see forward)
+    torch.testing.assert_close(compiled.logits[real], eager.logits[real], rtol=1e-6, atol=1e-6)
+    assert len(compiled.hidden_states) == len(eager.hidden_states) == 3
+    for ours, theirs in zip(compiled.hidden_states, eager.hidden_states):
+        torch.testing.assert_close(ours[real], theirs[real], rtol=1e-6, atol=1e-6)
+    assert graphs.frame_count == 3
