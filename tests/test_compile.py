@@ -3,8 +3,10 @@
 The suite compiles with the `aot_eager` backend: dynamo's trace and AOTAutograd's forward / backward split, the path
 inductor takes, without inductor's code generation (31-46 s for the demo's stand-in, forward only, on the 2-core CPU;
 `scripts/bench_model.py --compile` measures it). `fullgraph=True` turns any graph break into an error, so a break
-fails these tests."""
+fails these tests. Each test starts from an empty compile cache (`torch.compiler.reset()`), so what it counts is its
+own."""
 
+import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend  # counts the graphs compiled (torch's own test helper)
 from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -12,6 +14,13 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from titans_hf.modeling import TitansQwenConfig, TitansQwenForCausalLM
 
 CHUNK = 8
+
+
+@pytest.fixture(autouse=True)
+def empty_compile_cache():
+    torch.compiler.reset()
+    yield
+    torch.compiler.reset()
 
 
 def tiny_model(**memory_settings) -> TitansQwenForCausalLM:
@@ -117,3 +126,15 @@ def test_compiled_chunks_equal_the_layer_major_stream(one_thread):
     for ours, theirs in zip(compiled.hidden_states, eager.hidden_states):
         torch.testing.assert_close(ours[real], theirs[real], rtol=1e-6, atol=1e-6)
     assert graphs.frame_count == 3
+
+
+def test_the_model_sets_how_many_graphs_its_step_may_compile(one_thread):
+    """torch's recompile limit (8 per function) counts the step's graphs of every model, mode and backend in the
+    process together, and fullgraph=True turns reaching it into an error; the model's own limit applies instead."""
+    assert TitansQwenForCausalLM.COMPILED_CHUNK_GRAPHS > 8
+    model = tiny_model(attend_previous_chunk=False).eval()
+    model.COMPILED_CHUNK_GRAPHS = 2  # the stream below needs 3 graphs
+    ids, mask = padded_batch(5 * CHUNK + 3, seed=4)
+    with torch.no_grad(), pytest.raises(Exception) as refused:
+        model.compile_chunks(backend="eager")(ids, attention_mask=mask)
+    assert refused.typename == "FailOnRecompileLimitHit"

@@ -363,6 +363,9 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     # tokens the layer-major stream runs through each layer at once (`_stream_layer_major`)
     LAYER_MAJOR_TOKENS = 8192
+    # graphs of the compiled chunk step a process may hold: torch's limit (8 per function) counts every model, mode
+    # (training, evaluation, generate) and backend together, and fullgraph=True turns reaching it into an error
+    COMPILED_CHUNK_GRAPHS = 64
     _is_stateful = True  # the memory cannot roll back, so assisted decoding is refused
 
     def __init__(self, config: TitansQwenConfig, backbone: PreTrainedModel | None = None):
@@ -705,8 +708,15 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         eagerly. Call it instead of `torch.compile(model)` (or the Trainer's `torch_compile`), which traces the whole
         forward: the chunk loop unrolled, broken wherever the input checks and the rows' padding read a tensor."""
         if enable and (self._chunk_compiler is None or self._chunk_compiler[0] != compile_options):
-            self._chunk_compiler = (compile_options,
-                                    torch.compile(type(self)._chunk_step, fullgraph=True, **compile_options))
+            compiled = torch.compile(type(self)._chunk_step, fullgraph=True, **compile_options)
+            limit = self.COMPILED_CHUNK_GRAPHS
+
+            def step(*args: Any) -> tuple:
+                # the limit is read when a call compiles, so it is raised for this step's calls only
+                with torch._dynamo.config.patch(recompile_limit=limit):
+                    return compiled(*args)
+
+            self._chunk_compiler = (compile_options, step)
         self._compiled_chunk_step = self._chunk_compiler[1] if enable else None
         return self
 
