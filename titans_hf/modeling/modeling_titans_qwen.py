@@ -700,7 +700,9 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         it, the masks and positions (built once per shape), the embedding and the cache stay in Python. A stream
         compiles a few graphs whatever its length (the first chunk, which has no previous chunk to attend to, the
         chunks after it, and a last partial chunk); decoding's tokens that continue a chunk run eagerly (each length
-        of the memory's unfinished update chunk would be a graph of its own). With compiled chunks the stream always
+        of the memory's unfinished update chunk would be a graph of its own). A process may hold up to
+        `COMPILED_CHUNK_GRAPHS` graphs of the step (torch's own limit, 8 per function, would count every model, mode
+        and backend together, and stop the ninth with an error). With compiled chunks the stream always
         runs chunk by chunk: the layer-major order would compile the memory's whole segment, every update chunk
         unrolled.
 
