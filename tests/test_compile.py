@@ -138,3 +138,35 @@ def test_the_model_sets_how_many_graphs_its_step_may_compile(one_thread):
     with torch.no_grad(), pytest.raises(Exception) as refused:
         model.compile_chunks(backend="eager")(ids, attention_mask=mask)
     assert refused.typename == "FailOnRecompileLimitHit"
+
+
+def test_titans_trainer_torch_compile_compiles_the_chunk_step_not_the_model(one_thread, tmp_path):
+    """TrainingArguments(torch_compile=True) in TitansTrainer: the model's chunk step is compiled (compile_chunks,
+    with torch_compile_backend), accelerate compiles nothing (the Trainer's private `_build_accelerator_args` hook:
+    if the Trainer stops calling it, the dynamo backend below is not NO), and the steps equal eager ones."""
+    import datasets
+    from accelerate.utils import DynamoBackend
+
+    from titans_hf.data.collator import TitansDataCollator
+    from titans_hf.training import TitansTrainer, TitansTrainingArguments
+
+    ids = torch.randint(1, 64, (4, 2 * CHUNK + 5), generator=torch.Generator().manual_seed(7)).tolist()
+    rows = datasets.Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(ids[0])] * 4, "labels": ids})
+    trained = {}
+    for compiled in (False, True):
+        model = tiny_model(checkpoint_chunks=True)
+        args = TitansTrainingArguments(
+            output_dir=str(tmp_path / str(compiled)), torch_compile=compiled,
+            torch_compile_backend="aot_eager" if compiled else None, max_steps=2, per_device_train_batch_size=2,
+            gradient_accumulation_steps=1, learning_rate=1e-2, save_strategy="no", report_to="none", use_cpu=True,
+            disable_tqdm=True, seed=0)
+        trainer = TitansTrainer(model=model, args=args, train_dataset=rows,
+                                data_collator=TitansDataCollator(pad_token_id=0, chunk_size=CHUNK))
+        trainer.train()
+        trained[compiled] = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+    assert model._compiled_chunk_step is not None
+    assert trainer.accelerator.state.dynamo_plugin.backend == DynamoBackend.NO
+    assert not isinstance(trainer.model_wrapped, torch._dynamo.eval_frame.OptimizedModule)
+    assert trained[True].keys() == trained[False].keys()
+    for name, weight in trained[False].items():
+        torch.testing.assert_close(trained[True][name], weight, rtol=1e-5, atol=1e-6, msg=name)

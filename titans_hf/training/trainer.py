@@ -287,8 +287,24 @@ class TitansTrainer(Trainer):
                 "curriculum_chunks needs a chunk size: use a TitansQwen model (memory_config.chunk_size) or pass a "
                 "data_collator with chunk_size set"
             )
+        # `torch_compile` compiles a TitansQwen's chunk step (`compile_chunks`), not the whole forward, which
+        # torch.compile would trace with its chunk loop unrolled and break at every read of a tensor's value
+        self._compiles_chunks = bool(args.torch_compile) and hasattr(model, "compile_chunks")
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
+        if self._compiles_chunks:
+            mode = {"mode": args.torch_compile_mode} if args.torch_compile_mode else {}
+            model.compile_chunks(backend=args.torch_compile_backend, **mode)
         self._train_sampler: ResumableSampler | ChunkCurriculumSampler | None = None
+
+    def _build_accelerator_args(self, **kwargs) -> dict[str, Any]:
+        """The Trainer's accelerator arguments; with compiled chunks, no dynamo plugin (accelerate would compile
+        the whole model). A private hook of the Trainer: tests/test_compile.py fails if it is no longer called."""
+        accelerator_args = super()._build_accelerator_args(**kwargs)
+        if self._compiles_chunks:
+            from accelerate.utils import TorchDynamoPlugin
+
+            accelerator_args["dynamo_plugin"] = TorchDynamoPlugin(backend="no")
+        return accelerator_args
 
     # ---- data ----
 
