@@ -23,7 +23,7 @@ import logging
 import math
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -271,6 +271,20 @@ class TitansBackbone(nn.Module):
             outputs = type(titans).forward(titans, input_ids=input_ids, attention_mask=attention_mask,
                                            inputs_embeds=inputs_embeds, return_last_hidden_state=True)
         return BaseModelOutputWithPast(last_hidden_state=outputs.last_hidden_state)
+
+
+def _joined_stream(all_logits: list[Tensor], loss_sum: Tensor | None, per_token: list[tuple[Tensor, Tensor]],
+                   all_hidden: list[Sequence[Tensor]]
+                   ) -> tuple[Tensor | None, Tensor | None, tuple[Tensor, Tensor] | None, tuple[Tensor, ...] | None]:
+    """A stream's result from its pieces' (each list in token order): the logits, the summed loss, the greedy
+    tokens and losses, and per layer the hidden states, each joined along the tokens (None where none were made)."""
+    join = lambda parts: parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # noqa: E731
+    return (
+        join(all_logits) if all_logits else None,
+        loss_sum,
+        (join([g for g, _ in per_token]), join([t for _, t in per_token])) if per_token else None,
+        tuple(join(layer) for layer in zip(*all_hidden)) if all_hidden else None,
+    )
 
 
 def _restarts_inside_rows(position_ids: Tensor, attention_mask: Tensor | None) -> bool:
@@ -1358,13 +1372,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
             cache.seen_tokens = seen + length
         if carry is not None:
             carry.update(states=states, previous=previous)
-        join = lambda parts: parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # noqa: E731
-        return (
-            join(all_logits) if all_logits else None,
-            loss_sum,
-            (join([g for g, _ in per_token]), join([t for _, t in per_token])) if per_token else None,
-            tuple(join(layer) for layer in zip(*all_hidden)) if all_hidden else None,
-        )
+        return _joined_stream(all_logits, loss_sum, per_token, all_hidden)
 
     def _runs_layer_major(self, length: int, cache: TitansCache | None, use_checkpoint: bool) -> bool:
         """Whether `_stream_layer_major` computes this stream: chunks that attend only to themselves (no previous
@@ -1446,13 +1454,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
                     per_token.append(piece_tokens)
                 if piece_loss is not None:
                     loss_sum = piece_loss if loss_sum is None else loss_sum + piece_loss
-        join = lambda parts: parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # noqa: E731
-        return (
-            join(all_logits) if all_logits else None,
-            loss_sum,
-            (join([g for g, _ in per_token]), join([t for _, t in per_token])) if per_token else None,
-            tuple(join(layer) for layer in zip(*all_hidden)) if all_hidden else None,
-        )
+        return _joined_stream(all_logits, loss_sum, per_token, all_hidden)
 
     # ---- generation ----
 
