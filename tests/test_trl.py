@@ -299,6 +299,33 @@ def test_titans_sft_trainer_resumes_exactly(tiny_qwen3_dir, tmp_path):
                for name, value in whole.memory_state_dict().items())
 
 
+def test_titans_sft_trainer_torch_compile_compiles_the_chunk_step(tiny_qwen3_dir, tmp_path, one_thread):
+    """SFTConfig(torch_compile=True): the chunk step is compiled (compile_chunks, aot_eager here), accelerate
+    compiles nothing, and the memory takes the SGD steps it takes eagerly (with Adam, float noise in gradients near
+    zero flips the sign of a first step; fp32: SFTConfig autocasts to bf16 even on a CPU)."""
+    from accelerate.utils import DynamoBackend
+
+    from titans_hf.training.trl_trainers import TitansSFTTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    rows = datasets.Dataset.from_dict({"text": texts(4)})
+    trained = {}
+    for compiled in (False, True):
+        torch.compiler.reset()
+        model = memory_model(tiny_qwen3_dir)
+        open_memory(model)
+        args = trl_args(trl.SFTConfig, tmp_path / str(compiled), max_steps=2, max_length=64, optim="sgd", bf16=False,
+                        torch_compile=compiled, torch_compile_backend="aot_eager" if compiled else None)
+        trainer = TitansSFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer)
+        trainer.train()
+        trained[compiled] = model.memory_state_dict()
+    torch.compiler.reset()
+    assert model._compiled_chunk_step is not None
+    assert trainer.accelerator.state.dynamo_plugin.backend == DynamoBackend.NO
+    for name, value in trained[False].items():
+        torch.testing.assert_close(trained[True][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
 class StopAt(__import__("transformers").TrainerCallback):
     def __init__(self, step: int):
         self.step = step

@@ -788,7 +788,8 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         if completion_mask is None:
             completion_mask = torch.ones_like(completion_ids)
         memory = self.config.memory_config
-        if not (self.training and torch.is_grad_enabled() and (memory.checkpoint_chunks or self.gradient_checkpointing)):
+        checkpointed = memory.checkpoint_chunks or self.gradient_checkpointing
+        if not (self.training and torch.is_grad_enabled() and checkpointed):
             return self._score_from_cache(TitansCache(self.config), prompt_ids, prompt_attention_mask, completion_ids,
                                           completion_mask)
         rows = []

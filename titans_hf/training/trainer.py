@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import Sampler
-from accelerate.utils import extract_model_from_parallel
+from accelerate.utils import TorchDynamoPlugin, extract_model_from_parallel
 from transformers import EvalPrediction, Trainer
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy
@@ -255,7 +255,23 @@ def checkpoint_problem(folder: str | os.PathLike) -> str | None:
     return None
 
 
-class TitansTrainer(Trainer):
+class CompiledChunks:
+    """A Trainer hook (TitansTrainer's and the TRL trainers'): `torch_compile` (with `torch_compile_backend` /
+    `torch_compile_mode`) compiles a TitansQwen's chunk step (`compile_chunks`) and hands accelerate no dynamo
+    plugin, which would compile the whole forward: its chunk loop unrolled, broken at every read of a tensor's value.
+    `_build_accelerator_args` is a private hook of the Trainer, which calls it once `self.model` is set:
+    tests/test_compile.py fails if it is no longer called."""
+
+    def _build_accelerator_args(self, **kwargs) -> dict[str, Any]:
+        accelerator_args = super()._build_accelerator_args(**kwargs)
+        if self.args.torch_compile and hasattr(self.model, "compile_chunks"):
+            mode = {"mode": self.args.torch_compile_mode} if self.args.torch_compile_mode else {}
+            self.model.compile_chunks(backend=self.args.torch_compile_backend, **mode)
+            accelerator_args["dynamo_plugin"] = TorchDynamoPlugin(backend="no")
+        return accelerator_args
+
+
+class TitansTrainer(CompiledChunks, Trainer):
     """Trainer for the memory of a frozen base: global resumable sampler (or length curriculum), chunk-padding
     collator, memory-only checkpoints that resume exactly, memory-only pushes with a model card.
 
@@ -287,24 +303,8 @@ class TitansTrainer(Trainer):
                 "curriculum_chunks needs a chunk size: use a TitansQwen model (memory_config.chunk_size) or pass a "
                 "data_collator with chunk_size set"
             )
-        # `torch_compile` compiles a TitansQwen's chunk step (`compile_chunks`), not the whole forward, which
-        # torch.compile would trace with its chunk loop unrolled and break at every read of a tensor's value
-        self._compiles_chunks = bool(args.torch_compile) and hasattr(model, "compile_chunks")
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
-        if self._compiles_chunks:
-            mode = {"mode": args.torch_compile_mode} if args.torch_compile_mode else {}
-            model.compile_chunks(backend=args.torch_compile_backend, **mode)
         self._train_sampler: ResumableSampler | ChunkCurriculumSampler | None = None
-
-    def _build_accelerator_args(self, **kwargs) -> dict[str, Any]:
-        """The Trainer's accelerator arguments; with compiled chunks, no dynamo plugin (accelerate would compile
-        the whole model). A private hook of the Trainer: tests/test_compile.py fails if it is no longer called."""
-        accelerator_args = super()._build_accelerator_args(**kwargs)
-        if self._compiles_chunks:
-            from accelerate.utils import TorchDynamoPlugin
-
-            accelerator_args["dynamo_plugin"] = TorchDynamoPlugin(backend="no")
-        return accelerator_args
 
     # ---- data ----
 
