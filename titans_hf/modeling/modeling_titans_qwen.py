@@ -811,7 +811,8 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         cache = TitansCache(self.config)
         if head:
             carry: dict[str, Any] = {}
-            self._stream(prompt[:, :head], None, None, None, head, False, None, carry=carry)
+            self._stream(prompt[:, :head], token_mask=None, shifted_labels=None, cache=None, keep_start=head,
+                         predict=False, hidden_states=None, carry=carry)  # no logits: keep_start is its end
             cache.memory_states, cache.seen_tokens = carry["states"], head
             for index, (keys, values) in enumerate(carry["previous"].key_values if carry["previous"] else []):
                 cache.update(keys, values, index)  # at the positions before the next chunk's: nothing to move

@@ -185,6 +185,8 @@ def _keep_frozen_fsdp_units_gathered(titans: nn.Module) -> None:
     through the cache, so that chunk's layer calls get gradient after the completions' layer calls, at whose end of
     backward FSDP2 would free the layer's weights. Frozen units never change, so keeping them is exact; a trainable
     one (a LoRA on the layer) would keep its pre-step weights, so it is refused."""
+    if not isinstance(titans, FSDPModule):  # not sharded (accelerate's FSDP2 always shards the root): nothing to do
+        return
     units = [module for module in titans.modules() if isinstance(module, FSDPModule) and module is not titans]
     trainable = [type(unit).__name__ for unit in units if any(p.requires_grad for p in unit.parameters())]
     if trainable:
