@@ -343,6 +343,8 @@ class NeuralMemory(nn.Module):
         self.conv_kernel, self.chunk_size, self.batch_size = conv_kernel, chunk_size, batch_size
         self.conv_init, self.memory_model = conv_init, memory_model
         self.model = MEMORY_MODELS[memory_model](head_dim, depth, expansion)
+        # M_W(z) = z + z W: the surprise is affine in W, and the stream runs as :meth:`_scan_affine`
+        self.affine = isinstance(self.model, MLPMemory) and len(self.model.shapes) == 1
         self.chunks_per_batch = batch_size // chunk_size
         self.max_lr, self.max_surprise_norm = max_lr, max_surprise_norm
         self.bias_init = (theta_bias_init, momentum_bias_init, forget_bias_init)
@@ -432,8 +434,10 @@ class NeuralMemory(nn.Module):
         seq = torch.cat([conv_tail, qkv], dim=1)
         conv_tail = seq[:, seq.shape[1] - (self.conv_kernel - 1):]
         qkv = _CausalDepthwiseConv.apply(seq, self.conv_weight.to(dtype))
-        q, k, v = qkv.view(B, T, 3, H, d).permute(2, 0, 3, 1, 4).reshape(3, B, H, T, d).unbind(0)
-        q, k = F.normalize(F.silu(q), dim=-1), F.normalize(F.silu(k), dim=-1)
+        # silu and l2norm on the contiguous [B, T, 2H, d] block; q, k, v leave as [B, H, T, d] views
+        qk = F.normalize(F.silu(qkv[..., :2 * H * d]).view(B, T, 2 * H, d), dim=-1)
+        q, k = qk.view(B, T, 2, H, d).permute(2, 0, 3, 1, 4).unbind(0)
+        v = qkv[..., 2 * H * d:].view(B, T, H, d).transpose(1, 2)
         lr = (self.max_lr * torch.sigmoid(gates[..., :H]) * real[..., None]).transpose(1, 2)  # [B, H, T]
         return q, k, v, lr, gates[..., H:], conv_tail
 
@@ -457,6 +461,101 @@ class NeuralMemory(nn.Module):
         new_weights = [torch.addcmul(s, keep, w) for w, s in zip(weights, new_momentum)]
         return _keep_rows_without_tokens(new_weights, new_momentum, weights, momentum, valid)
 
+    def _scan(self, q: Tensor, k: Tensor, v: Tensor, lr2: Tensor, etas, keeps, valids, weights: list[Tensor],
+              momentum: list[Tensor], grad_point: list[Tensor], first_chunk: int
+              ) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:
+        """Read and write `q`, `k`, `v` [rows, N, d] and ``2 theta`` [rows, N] chunk after chunk, from fast weights,
+        momentum and gradient point (lists [rows, d_in, d_out]) at update chunk `first_chunk` of the stream, with the
+        per-chunk gates `etas`, `keeps` and `valids` (one [rows, 1, 1] each, a valid None: every row). Returns the reads
+        [rows, N, d] and the weights, momentum and gradient point after the last full chunk."""
+        C, m, (BH, N, d) = self.chunk_size, self.chunks_per_batch, q.shape
+        n_full, L = N // C, len(weights)
+        # groups of consecutive full chunks that share one gradient point (the rest of a memory batch)
+        groups, i = [], 0
+        while i < n_full:
+            groups.append(min(n_full - i, m - (first_chunk + i) % m))
+            i += groups[-1]
+        sizes = [n * C for n in groups] + ([N - n_full * C] if N > n_full * C else [])
+        # cut with `split`: one backward node, where slicing zero-fills one full-size gradient per slice
+        q_parts, k_parts, v_parts, lr2_parts = (t.split(sizes, dim=1) for t in (q, k, v, lr2))
+        fused = isinstance(self.model, ExplicitMemoryModel)
+        qk_parts = None
+        if fused and m == 1 and n_full:  # every whole chunk one fused step: its [q; k] block, all cut at once
+            whole = lambda t: t[:, :n_full * C].view(BH, n_full, C, d)  # noqa: E731
+            qk_parts = torch.cat([whole(q), whole(k)], dim=2).unbind(1)
+        reads, chunk = [], 0
+        for g, n in enumerate(groups):
+            if fused and n == 1 and grad_point is weights:  # the paper's rule: reads and surprise share W_{j-1}
+                inputs = (*weights, *momentum, qk_parts[g] if qk_parts else torch.cat([q_parts[g], k_parts[g]], 1),
+                          v_parts[g], lr2_parts[g], etas[chunk], keeps[chunk])
+                if torch.is_grad_enabled():
+                    out = _ChunkStep.apply(self.model, self.max_surprise_norm, *inputs)
+                    read, new_weights, new_momentum = out[0], out[1:L + 1], out[L + 1:]
+                else:
+                    read, new_weights, new_momentum = _ChunkStep.step(self.model, self.max_surprise_norm, *inputs)[:3]
+                reads.append(read)
+                weights, momentum = _keep_rows_without_tokens(new_weights, new_momentum, weights, momentum,
+                                                              valids[chunk])
+            else:
+                split = lambda t: t.unflatten(1, (n, C))  # noqa: E731
+                grads = self.model.surprise(grad_point, split(k_parts[g]), split(v_parts[g]), split(lr2_parts[g]))
+                scale = self._clip_scale(grads)
+                grads = list(zip(*[g_.unbind(1) for g_ in grads]))
+                scales = [None] * n if scale is None else scale.unbind(1)
+                read_weights = []
+                for j in range(n):
+                    read_weights.append(weights)
+                    weights, momentum = self._step(weights, momentum, grads[j], scales[j], etas[chunk + j],
+                                                   keeps[chunk + j], valids[chunk + j])
+                stacked = [torch.stack(ws, dim=1) for ws in zip(*read_weights)]
+                reads.append(self.model(stacked, split(q_parts[g])).flatten(1, 2))
+            chunk += n
+            if (first_chunk + chunk) % m == 0:
+                grad_point = weights
+        if N > n_full * C:  # the unfinished chunk reads the latest weights and waits in the buffer
+            reads.append(self.model(weights, q_parts[-1]))
+        return torch.cat(reads, dim=1) if len(reads) > 1 else reads[0], weights, momentum, grad_point
+
+    def _scan_affine(self, q: Tensor, k: Tensor, v: Tensor, lr2: Tensor, etas, keeps, valids,
+                     weights: list[Tensor], momentum: list[Tensor], grad_point: list[Tensor], first_chunk: int
+                     ) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:
+        """:meth:`_scan` for the linear memory ``M_W(z) = z + z W``, whose surprise is affine in the weights:
+        ``G_j = sum_t 2 theta_t k_t^T (k_t + k_t W - v_t) = P_j W + R_j`` with ``P_j = K_j^T diag(2 theta) K_j`` and
+        ``R_j = K_j^T diag(2 theta) (K_j - V_j)``. Every P and R is one batched product before the scan, which then
+        costs a handful of [d, d] operations per update chunk; the reads of all chunks are one product after it."""
+        C, m, clip, (BH, N, d) = self.chunk_size, self.chunks_per_batch, self.max_surprise_norm, q.shape
+        n_full = N // C
+        (W,), (S,), (point,) = weights, momentum, grad_point
+        whole = lambda t: t[:, :n_full * C].unflatten(1, (n_full, C))  # noqa: E731
+        keys = whole(k)
+        scaled_keys = (keys * whole(lr2).unsqueeze(-1)).transpose(-1, -2)
+        P, R = (scaled_keys @ torch.cat([keys, keys - whole(v)], dim=-1)).unflatten(-1, (2, d)).unbind(-2)
+        P, R = P.unbind(1), R.unbind(1)
+        read_weights = []
+        for j in range(n_full):
+            read_weights.append(W)
+            G = torch.baddbmm(R[j], P[j], point)
+            if clip is None:
+                new_S = etas[j] * S - G
+            else:  # S' = eta S - clip G / max(||G||, clip)
+                norm = torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True)
+                new_S = torch.addcdiv(etas[j] * S, G, norm.clamp(min=clip), value=-clip)
+            (W_new,), (S,) = _keep_rows_without_tokens([torch.addcmul(new_S, keeps[j], W)], [new_S], [W], [S],
+                                                      valids[j])
+            W = W_new
+            if (first_chunk + j + 1) % m == 0:
+                point = W
+        reads = []
+        if n_full:
+            queries, stacked = whole(q).flatten(0, 1), torch.stack(read_weights, dim=1).flatten(0, 1)
+            reads.append(torch.baddbmm(queries, queries, stacked).view(BH, n_full * C, d))
+        if N > n_full * C:
+            rest = q[:, n_full * C:]
+            reads.append(torch.baddbmm(rest, rest, W))
+        weights = [W]
+        return (torch.cat(reads, dim=1) if len(reads) > 1 else reads[0], weights, [S],
+                weights if point is W else [point])
+
     # ---- forward ----
 
     def forward(self, hidden: Tensor, state: MemoryState | None = None, mask: Tensor | None = None
@@ -478,12 +577,14 @@ class NeuralMemory(nn.Module):
         q, k, v, lr, chunk_gate_logits, conv_tail = self.token_inputs(hidden, state.conv_tail, mask, real)
 
         # prepend the unfinished chunk's buffered tokens: they write now, but were read in the previous call
-        r = state.buffer_keys.shape[2]
-        k = torch.cat([state.buffer_keys, k], dim=2)
-        v = torch.cat([state.buffer_values, v], dim=2)
-        lr = torch.cat([state.buffer_lr, lr], dim=2)
-        gate_logits = torch.cat([state.buffer_gate_logits, chunk_gate_logits], dim=1)
-        real = torch.cat([state.buffer_mask, real], dim=1)
+        r, gate_logits = state.buffer_keys.shape[2], chunk_gate_logits
+        if r:
+            k = torch.cat([state.buffer_keys, k], dim=2)
+            v = torch.cat([state.buffer_values, v], dim=2)
+            lr = torch.cat([state.buffer_lr, lr], dim=2)
+            gate_logits = torch.cat([state.buffer_gate_logits, gate_logits], dim=1)
+            real = torch.cat([state.buffer_mask, real], dim=1)
+            q = F.pad(q, (0, 0, r, 0))  # r placeholder queries: those tokens were read last call
         N = r + T
         n_full = N // C
 
@@ -499,62 +600,17 @@ class NeuralMemory(nn.Module):
         if mask is not None and (torch.compiler.is_compiling() or not bool((count > 0).all())):
             valids = (count > 0).repeat_interleave(H, dim=0).view(BH, n_full, 1, 1).unbind(1)
 
-        # groups of consecutive full chunks that share one gradient point (the rest of a memory batch)
-        first_chunk, m = state.position // C, self.chunks_per_batch
-        groups, i = [], 0
-        while i < n_full:
-            groups.append(min(n_full - i, m - (first_chunk + i) % m))
-            i += groups[-1]
-        sizes = [n * C for n in groups] + ([N - n_full * C] if N > n_full * C else [])
-        # cut with `split`: one backward node, where slicing zero-fills one full-size gradient per slice
-        rows = lambda t: t.reshape(BH, *t.shape[2:]).split(sizes, dim=1)  # noqa: E731
-        q = F.pad(q, (0, 0, r, 0))  # r placeholder queries: those tokens were read last call
-        q_parts, k_parts, v_parts, lr2_parts = rows(q), rows(k), rows(v), rows(2 * lr)
-        fused, L = isinstance(self.model, ExplicitMemoryModel), len(self.initial_weights)
-        qk_parts = None
-        if fused and m == 1 and n_full:  # every whole chunk one fused step: its [q; k] block, all cut at once
-            whole = lambda t: t.reshape(BH, N, d)[:, :n_full * C].view(BH, n_full, C, d)  # noqa: E731
-            qk_parts = torch.cat([whole(q), whole(k)], dim=2).unbind(1)
-
         # the memory's own arithmetic stays in the state dtype even under autocast (bf16 inner gradients and
         # updates lose the small steps that accumulate into what it remembers)
+        flat = lambda ws: [w.reshape(BH, *w.shape[2:]) for w in ws]  # noqa: E731
+        weights, momentum = flat(state.weights), flat(state.momentum)
+        grad_point = weights if state.batch_start_weights is state.weights else flat(state.batch_start_weights)
+        scan = self._scan_affine if self.affine else self._scan
         with torch.autocast(hidden.device.type, enabled=False):
-            flat = lambda ws: [w.reshape(BH, *w.shape[2:]) for w in ws]  # noqa: E731
-            weights, momentum = flat(state.weights), flat(state.momentum)
-            grad_point = weights if state.batch_start_weights is state.weights else flat(state.batch_start_weights)
-            reads, chunk = [], 0
-            for g, n in enumerate(groups):
-                if fused and n == 1 and grad_point is weights:  # the paper's rule: reads and surprise share W_{j-1}
-                    inputs = (*weights, *momentum, qk_parts[g] if qk_parts else torch.cat([q_parts[g], k_parts[g]], 1),
-                              v_parts[g], lr2_parts[g], etas[chunk], keeps[chunk])
-                    if torch.is_grad_enabled():
-                        out = _ChunkStep.apply(self.model, self.max_surprise_norm, *inputs)
-                        read, new_weights, new_momentum = out[0], out[1:L + 1], out[L + 1:]
-                    else:
-                        read, new_weights, new_momentum = _ChunkStep.step(self.model, self.max_surprise_norm,
-                                                                          *inputs)[:3]
-                    reads.append(read)
-                    weights, momentum = _keep_rows_without_tokens(new_weights, new_momentum, weights, momentum,
-                                                                  valids[chunk])
-                else:
-                    split = lambda t: t.unflatten(1, (n, C))  # noqa: E731
-                    grads = self.model.surprise(grad_point, split(k_parts[g]), split(v_parts[g]), split(lr2_parts[g]))
-                    scale = self._clip_scale(grads)
-                    grads = list(zip(*[g_.unbind(1) for g_ in grads]))
-                    scales = [None] * n if scale is None else scale.unbind(1)
-                    read_weights = []
-                    for j in range(n):
-                        read_weights.append(weights)
-                        weights, momentum = self._step(weights, momentum, grads[j], scales[j], etas[chunk + j],
-                                                       keeps[chunk + j], valids[chunk + j])
-                    stacked = [torch.stack(ws, dim=1) for ws in zip(*read_weights)]
-                    reads.append(self.model(stacked, split(q_parts[g])).flatten(1, 2))
-                chunk += n
-                if (first_chunk + chunk) % m == 0:
-                    grad_point = weights
-            if N > n_full * C:  # the unfinished chunk reads the latest weights and waits in the buffer
-                reads.append(self.model(weights, q_parts[-1]))
-        out = (torch.cat(reads, dim=1) if len(reads) > 1 else reads[0])[:, r:]
+            reads, weights, momentum, grad_point = scan(
+                q.reshape(BH, N, d), k.reshape(BH, N, d), v.reshape(BH, N, d), (2 * lr).reshape(BH, N), etas, keeps,
+                valids, weights, momentum, grad_point, state.position // C)
+        out = reads[:, r:]
         out = out.view(B, H, T, d).transpose(1, 2).reshape(B, T, H * d).to(hidden.dtype)
 
         unflat = lambda ws: [w.view(B, H, *w.shape[1:]) for w in ws]  # noqa: E731
@@ -589,25 +645,26 @@ class _CausalDepthwiseConv(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, seq: Tensor, taps: Tensor) -> Tensor:
+        taps_by_offset = taps.t().contiguous()  # [K, channels]: each tap a contiguous row to broadcast
         K = taps.shape[1]
         T = seq.shape[1] - K + 1
-        ctx.save_for_backward(seq, taps)
-        out = seq[:, K - 1:] * taps[:, K - 1]
+        ctx.save_for_backward(seq, taps_by_offset)
+        out = seq[:, K - 1:] * taps_by_offset[K - 1]
         for i in range(K - 1):
-            out.addcmul_(seq[:, i:i + T], taps[:, i])
+            out.addcmul_(seq[:, i:i + T], taps_by_offset[i])
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor]:
-        seq, taps = ctx.saved_tensors
-        K, T = taps.shape[1], grad.shape[1]
+        seq, taps_by_offset = ctx.saved_tensors
+        K, T = taps_by_offset.shape[0], grad.shape[1]
         g_seq = torch.zeros_like(seq)
-        g_taps = torch.empty_like(taps)
+        g_taps = torch.empty_like(taps_by_offset)
         for i in range(K):
-            g_seq[:, i:i + T].addcmul_(grad, taps[:, i])
-            g_taps[:, i] = torch.linalg.vecdot(grad.flatten(0, 1).T, seq[:, i:i + T].flatten(0, 1).T)
-        return g_seq, g_taps
+            g_seq[:, i:i + T].addcmul_(grad, taps_by_offset[i])
+            torch.sum(grad * seq[:, i:i + T], dim=(0, 1), out=g_taps[i])
+        return g_seq, g_taps.t()
 
 
 def _residual_matmul(base: Tensor, a: Tensor, w: Tensor) -> Tensor:
