@@ -163,6 +163,42 @@ def test_padding_mask_matches_reference_and_never_writes():
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("batch", [4, 12])
+def test_linear_memory_affine_scan_streamed_with_padding_matches_reference(batch):
+    """The default memory (depth 1) runs as an affine scan (surprise P_j W + R_j from products taken before the
+    loop): against the per-token reference with padding (two chunks without a real token), pieces that end mid-chunk
+    and mid-batch, and a gradient point that is not the current weights; the same reads and state without grad."""
+    torch.manual_seed(0)
+    mem = randomise(NeuralMemory(12, 2, 4, depth=1, conv_kernel=3, chunk_size=4, batch_size=batch, max_lr=0.5,
+                                 max_surprise_norm=0.05, theta_bias_init=0.0).double(), 5)
+    assert mem.affine
+    hidden = torch.randn(2, 30, 12, dtype=torch.double)
+    mask = torch.ones(2, 30)
+    mask[0, 22:] = 0
+    mask[1, :9] = 0  # chunks 0 and 1 without a real token
+    probe = torch.randn(2, 30, 8, dtype=torch.double)
+
+    def streamed():
+        state, pieces, start = None, [], 0
+        for size in (3, 6, 1, 13, 7):
+            out, state = mem(hidden[:, start:start + size], state, mask[:, start:start + size])
+            pieces.append(out)
+            start += size
+        return torch.cat(pieces, 1), state
+
+    reads, state = streamed()
+    expected = reference(mem, hidden, mask)
+    torch.testing.assert_close(reads, expected, rtol=0, atol=1e-10)
+    for got, want in zip(param_grads(mem, reads, probe), param_grads(mem, expected, probe)):
+        torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9)
+    assert not torch.allclose(expected[:, -1], memory_read_without_updates(mem, hidden)[:, -1])
+    with torch.no_grad():
+        reads_no_grad, state_no_grad = streamed()
+    torch.testing.assert_close(reads_no_grad, reads, rtol=0, atol=0)
+    for key, value in state.state_dict().items():
+        torch.testing.assert_close(state_no_grad.state_dict()[key], value, rtol=0, atol=0, msg=key)
+
+
 @pytest.mark.parametrize("batch", [16, 32, 48])
 def test_streaming_pieces_equal_one_pass(batch):
     torch.manual_seed(0)
