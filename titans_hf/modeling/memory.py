@@ -177,19 +177,18 @@ class ExplicitMemoryModel(MemoryModel):
 
     @abstractmethod
     def inner_gradient(self, weights: Sequence[Tensor], z: Tensor, values: Tensor, lr2: Tensor, chunk: int
-                       ) -> tuple[Tensor, Tensor, list[Tensor], list[Tensor]]:
-        """``(M_W(z_read), M_W(k) - v, G, activations)``, the reads of the first r rows, the keys' errors for
-        `values` [rows, n * C, d] and ``lr2 = 2 theta`` [rows, n * C], ``G``, one [rows * n, d_in, d_out] tensor per
-        weight, ``G_j = grad_W sum_{t in j} theta_t ||M_W(k_t) - v_t||^2``, and what the reverse reuses instead of
-        recomputing (the model's own choice)."""
+                       ) -> tuple[Tensor, Tensor, list[Tensor]]:
+        """``(M_W(z_read), M_W(k) - v, G)``, the reads of the first r rows, the keys' errors for `values`
+        [rows, n * C, d] and ``lr2 = 2 theta`` [rows, n * C], and ``G``, one [rows * n, d_in, d_out] tensor per
+        weight, ``G_j = grad_W sum_{t in j} theta_t ||M_W(k_t) - v_t||^2``."""
 
     @abstractmethod
     def inner_gradient_backward(self, weights: Sequence[Tensor], z: Tensor, err: Tensor, lr2: Tensor, chunk: int,
-                                activations: Sequence[Tensor], g_reads: Tensor | None, g_grads: Sequence[Tensor],
-                                g_weights: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-        """Reverse of :meth:`inner_gradient` given its `activations` and the gradients of the first r rows' reads
-        (`g_reads`, None: zero) and of ``G`` (`g_grads`): adds the weights' gradients into `g_weights` in place and
-        returns those of ``z``, the values and ``lr2``."""
+                                g_reads: Tensor | None, g_grads: Sequence[Tensor], g_weights: Sequence[Tensor]
+                                ) -> tuple[Tensor, Tensor, Tensor]:
+        """Reverse of :meth:`inner_gradient` given the gradients of the first r rows' reads (`g_reads`, None: zero)
+        and of ``G`` (`g_grads`): adds the weights' gradients into `g_weights` in place and returns those of ``z``,
+        the values and ``lr2``."""
 
     def surprise(self, point: Sequence[Tensor], keys: Tensor, values: Tensor, lr2: Tensor) -> list[Tensor]:
         n, C = keys.shape[1:3]
@@ -235,9 +234,8 @@ class MLPMemory(ExplicitMemoryModel):
         return deltas[::-1], ups[::-1]
 
     def inner_gradient(self, weights: Sequence[Tensor], z: Tensor, values: Tensor, lr2: Tensor, chunk: int
-                       ) -> tuple[Tensor, Tensor, list[Tensor], list[Tensor]]:
+                       ) -> tuple[Tensor, Tensor, list[Tensor]]:
         acts, sigmoids = self._hidden(weights, z)
-        activations = acts[1:] + sigmoids  # the hidden layers and their sigmoids, all rows: the reverse reuses them
         keys = slice(z.shape[1] - values.shape[1], None)
         # [reads; M_W(k) - v] = [z_read; k - v] + a W_L: the residual's subtraction first, as one fused product
         base = z.clone()
@@ -247,18 +245,18 @@ class MLPMemory(ExplicitMemoryModel):
         acts = [a[:, keys] for a in acts]
         deltas, _ = self._backprop(weights, self._slopes(acts, [s[:, keys] for s in sigmoids]), err * lr2.unsqueeze(-1))
         grads = [_chunks(a, chunk).transpose(1, 2) @ _chunks(delta, chunk) for a, delta in zip(acts, deltas)]
-        return out[:, :keys.start], err, grads, activations
+        return out[:, :keys.start], err, grads
 
     def inner_gradient_backward(self, weights: Sequence[Tensor], z: Tensor, err: Tensor, lr2: Tensor, chunk: int,
-                                activations: Sequence[Tensor], g_reads: Tensor | None, g_grads: Sequence[Tensor],
-                                g_weights: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+                                g_reads: Tensor | None, g_grads: Sequence[Tensor], g_weights: Sequence[Tensor]
+                                ) -> tuple[Tensor, Tensor, Tensor]:
         W, gG, gW, L = weights, g_grads, g_weights, len(weights)
         keys = slice(z.shape[1] - err.shape[1], None)
         key = lambda t: t[:, keys]  # noqa: E731
         chunks = lambda t: _chunks(t, chunk)  # noqa: E731
         tokens = lambda t: t.view(z.shape[0], -1, t.shape[-1])  # noqa: E731
-        # the activations of all rows from the forward; silu' = s + a (1 - s), silu'' = s + silu' (1 - 2 s)
-        acts, sigmoids = [z, *activations[:L - 1]], activations[L - 1:]
+        # recompute the activations of all rows; silu' = s + a (1 - s), silu'' = s + silu' (1 - 2 s)
+        acts, sigmoids = self._hidden(W, z)
         slopes = self._slopes(acts, sigmoids)
         delta, u = self._backprop(W, [key(slope) for slope in slopes], err * lr2.unsqueeze(-1))
 
@@ -695,7 +693,7 @@ class _ChunkStep(torch.autograd.Function):
 
     Inputs ``(model, clip, *W, *S, [q; k], v, 2 theta, eta, 1 - alpha)``, rows = batch * heads; outputs
     ``(read, *W_new, *S_new)``. Queries and keys go through the model as one [2C, d] block. Saves the inputs, the
-    error, the model's activations and (with a clip) G: the backward recomputes no product of the forward.
+    error and (with a clip) G; the model recomputes its activations in the backward.
     """
 
     @staticmethod
@@ -706,7 +704,7 @@ class _ChunkStep(torch.autograd.Function):
         L = len(model.shapes)
         W, S = tensors[:L], tensors[L:2 * L]
         qk, values, lr2, eta, keep = tensors[2 * L:]
-        reads, err, grads, activations = model.inner_gradient(W, qk, values, lr2, values.shape[1])
+        reads, err, grads = model.inner_gradient(W, qk, values, lr2, values.shape[1])
         norm = scale = None
         if clip is not None:
             norm = _dots(grads, grads).sqrt_()
@@ -715,16 +713,16 @@ class _ChunkStep(torch.autograd.Function):
         else:
             new_S = [torch.sub(eta * s, g) for s, g in zip(S, grads)]
         new_W = [torch.addcmul(s, keep, w) for w, s in zip(W, new_S)]
-        return reads, new_W, new_S, err, grads, norm, scale, activations
+        return reads, new_W, new_S, err, grads, norm, scale
 
     @staticmethod
     def forward(ctx, model: ExplicitMemoryModel, clip: float | None, *tensors: Tensor) -> tuple[Tensor, ...]:
         L = len(model.shapes)
-        reads, new_W, new_S, err, grads, norm, scale, activations = _ChunkStep.step(model, clip, *tensors)
+        reads, new_W, new_S, err, grads, norm, scale = _ChunkStep.step(model, clip, *tensors)
         W, S = tensors[:L], tensors[L:2 * L]
         qk, _, lr2, eta, keep = tensors[2 * L:]
-        ctx.model, ctx.clip, ctx.num_activations = model, clip, len(activations)
-        ctx.save_for_backward(*W, *S, qk, lr2, eta, keep, err, *activations,
+        ctx.model, ctx.clip = model, clip
+        ctx.save_for_backward(*W, *S, qk, lr2, eta, keep, err,
                               *((*grads, norm, scale) if clip is not None else ()))
         return (reads, *new_W, *new_S)
 
@@ -735,7 +733,6 @@ class _ChunkStep(torch.autograd.Function):
         L, saved = len(model.shapes), ctx.saved_tensors
         W, S = saved[:L], saved[L:2 * L]
         qk, lr2, eta, keep, err = saved[2 * L:2 * L + 5]
-        activations, saved = saved[2 * L + 5:2 * L + 5 + ctx.num_activations], saved[ctx.num_activations:]
         gW_new = [torch.zeros_like(w) if g is None else g for g, w in zip(g_out[:L], W)]
         gS_new = [torch.zeros_like(s) if g is None else g for g, s in zip(g_out[L:], S)]
 
@@ -755,8 +752,7 @@ class _ChunkStep(torch.autograd.Function):
             coef = torch.where(norm > clip, g_scale * -clip / norm.clamp(min=clip) ** 3, 0.0)
             gG = [g.addcmul_(coef, G) for g, G in zip(gG, grads)]
 
-        g_qk, g_values, g_lr2 = model.inner_gradient_backward(W, qk, err, lr2, err.shape[1], activations, g_read,
-                                                              gG, gW)
+        g_qk, g_values, g_lr2 = model.inner_gradient_backward(W, qk, err, lr2, err.shape[1], g_read, gG, gW)
         return (None, None, *gW, *gS, g_qk, g_values, g_lr2, g_eta, g_keep)
 
 
@@ -764,25 +760,23 @@ class _Surprise(torch.autograd.Function):
     """The inner gradients of the n chunks of a memory batch at one shared point P, as a single autograd node.
 
     Inputs ``(model, C, *P, keys, values, 2 theta)`` with keys and values [rows, n * C, d]; outputs ``G`` per weight
-    [rows * n, d_in, d_out]. Saves P, the keys, the error and the model's activations.
+    [rows * n, d_in, d_out]. Saves P, the keys and the error; the model recomputes its activations in the backward.
     """
 
     @staticmethod
     def forward(ctx, model: ExplicitMemoryModel, chunk: int, *tensors: Tensor) -> tuple[Tensor, ...]:
         point, (keys, values, lr2) = tensors[:-3], tensors[-3:]
-        _, err, grads, activations = model.inner_gradient(point, keys, values, lr2, chunk)
-        ctx.model, ctx.chunk, ctx.num_points = model, chunk, len(point)
-        ctx.save_for_backward(*point, keys, err, lr2, *activations)
+        _, err, grads = model.inner_gradient(point, keys, values, lr2, chunk)
+        ctx.model, ctx.chunk = model, chunk
+        ctx.save_for_backward(*point, keys, err, lr2)
         return tuple(grads)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *g_grads: Tensor | None) -> tuple[Tensor | None, ...]:
-        saved, L = ctx.saved_tensors, ctx.num_points
-        point, (keys, err, lr2), activations = saved[:L], saved[L:L + 3], saved[L + 3:]
+        *point, keys, err, lr2 = ctx.saved_tensors
         gG = [torch.zeros(p.shape[0] * keys.shape[1] // ctx.chunk, *p.shape[1:], dtype=p.dtype, device=p.device)
               if g is None else g for g, p in zip(g_grads, point)]
         gP = [torch.zeros_like(p) for p in point]
-        g_keys, g_values, g_lr2 = ctx.model.inner_gradient_backward(point, keys, err, lr2, ctx.chunk, activations,
-                                                                    None, gG, gP)
+        g_keys, g_values, g_lr2 = ctx.model.inner_gradient_backward(point, keys, err, lr2, ctx.chunk, None, gG, gP)
         return (None, None, *gP, g_keys, g_values, g_lr2)
