@@ -519,22 +519,22 @@ class NeuralMemory(nn.Module):
     def _scan_affine(self, q: Tensor, k: Tensor, v: Tensor, lr2: Tensor, etas, keeps, valids,
                      weights: list[Tensor], momentum: list[Tensor], grad_point: list[Tensor], first_chunk: int
                      ) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:
-        """:meth:`_scan` for the linear memory ``M_W(z) = z + z W``, whose surprise is affine in the weights:
-        ``G_j = sum_t 2 theta_t k_t^T (k_t + k_t W - v_t) = P_j W + R_j`` with ``P_j = K_j^T diag(2 theta) K_j`` and
-        ``R_j = K_j^T diag(2 theta) (K_j - V_j)``. Every P and R is one batched product before the scan, which then
-        costs a handful of [d, d] operations per update chunk; the reads of all chunks are one product after it."""
+        """:meth:`_scan` for the linear memory ``M_W(z) = z + z W``: its surprise
+        ``G_j = (diag(2 theta) K_j)^T (K_j - V_j + K_j W)`` is two products at the gradient point, and its reads are
+        linear in the weights, so the scan writes (two products and a few [d, d] operations per update chunk) and the
+        reads of all chunks are one product after it."""
         C, m, clip, (BH, N, d) = self.chunk_size, self.chunks_per_batch, self.max_surprise_norm, q.shape
         n_full = N // C
         (W,), (S,), (point,) = weights, momentum, grad_point
         whole = lambda t: t[:, :n_full * C].unflatten(1, (n_full, C))  # noqa: E731
         keys = whole(k)
-        scaled_keys = (keys * whole(lr2).unsqueeze(-1)).transpose(-1, -2)
-        P, R = (scaled_keys @ torch.cat([keys, keys - whole(v)], dim=-1)).unflatten(-1, (2, d)).unbind(-2)
-        P, R = P.unbind(1), R.unbind(1)
+        scaled_keys = (keys * whole(lr2).unsqueeze(-1)).transpose(-1, -2).unbind(1)
+        residuals = (keys - whole(v)).unbind(1)
+        keys = keys.unbind(1)
         read_weights = []
         for j in range(n_full):
             read_weights.append(W)
-            G = torch.baddbmm(R[j], P[j], point)
+            G = torch.bmm(scaled_keys[j], torch.baddbmm(residuals[j], keys[j], point))
             if clip is None:
                 new_S = etas[j] * S - G
             else:  # S' = eta S - clip G / max(||G||, clip)
