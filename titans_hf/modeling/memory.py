@@ -30,9 +30,12 @@ Exact definitions (the tests' reference loop restates them; `H` heads of size `d
 A memory model is a :class:`MemoryModel`: weight shapes, init and ``M_W(z)``; its inner gradients then come from
 autograd. An :class:`ExplicitMemoryModel` (the MLP) writes the inner gradient and its reverse out as batched
 matmuls, so each update chunk runs as one autograd node (:class:`_ChunkStep`) and the surprise of a memory batch as
-another (:class:`_Surprise`); all heads, and all chunks of a memory batch, run as single matmuls either way. State
-is fp32 (fp64 when the module is fp64) whatever the activation dtype, and everything needed to continue mid-chunk
-lives in :class:`MemoryState`, so feeding the tokens in any pieces gives the same reads and state as one pass.
+another (:class:`_Surprise`); all heads, and all chunks of a memory batch, run as single matmuls either way. At depth 1
+(``M_W(z) = z + z W``, the default) the surprise is affine in ``W`` and the reads are linear in it: the stream then
+runs as a scan that only writes, and every chunk's reads are one product after it (:meth:`NeuralMemory._scan_affine`).
+State is fp32 (fp64 when the module is fp64) whatever the activation dtype, and everything needed to continue
+mid-chunk lives in :class:`MemoryState`, so feeding the tokens in any pieces gives the same reads and state as one
+pass.
 """
 
 from __future__ import annotations
@@ -461,9 +464,9 @@ class NeuralMemory(nn.Module):
         new_weights = [torch.addcmul(s, keep, w) for w, s in zip(weights, new_momentum)]
         return _keep_rows_without_tokens(new_weights, new_momentum, weights, momentum, valid)
 
-    def _scan(self, q: Tensor, k: Tensor, v: Tensor, lr2: Tensor, etas, keeps, valids, weights: list[Tensor],
-              momentum: list[Tensor], grad_point: list[Tensor], first_chunk: int
-              ) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:
+    def _scan(self, q: Tensor, k: Tensor, v: Tensor, lr2: Tensor, etas: Sequence[Tensor], keeps: Sequence[Tensor],
+              valids: Sequence[Tensor | None], weights: list[Tensor], momentum: list[Tensor], grad_point: list[Tensor],
+              first_chunk: int) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:
         """Read and write `q`, `k`, `v` [rows, N, d] and ``2 theta`` [rows, N] chunk after chunk, from fast weights,
         momentum and gradient point (lists [rows, d_in, d_out]) at update chunk `first_chunk` of the stream, with the
         per-chunk gates `etas`, `keeps` and `valids` (one [rows, 1, 1] each, a valid None: every row). Returns the reads
@@ -516,8 +519,9 @@ class NeuralMemory(nn.Module):
             reads.append(self.model(weights, q_parts[-1]))
         return torch.cat(reads, dim=1) if len(reads) > 1 else reads[0], weights, momentum, grad_point
 
-    def _scan_affine(self, q: Tensor, k: Tensor, v: Tensor, lr2: Tensor, etas, keeps, valids,
-                     weights: list[Tensor], momentum: list[Tensor], grad_point: list[Tensor], first_chunk: int
+    def _scan_affine(self, q: Tensor, k: Tensor, v: Tensor, lr2: Tensor, etas: Sequence[Tensor],
+                     keeps: Sequence[Tensor], valids: Sequence[Tensor | None], weights: list[Tensor],
+                     momentum: list[Tensor], grad_point: list[Tensor], first_chunk: int
                      ) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:
         """:meth:`_scan` for the linear memory ``M_W(z) = z + z W``: its surprise
         ``G_j = (diag(2 theta) K_j)^T (K_j - V_j + K_j W)`` is two products at the gradient point, and its reads are
