@@ -82,6 +82,16 @@ def reference(mem: NeuralMemory, hidden: torch.Tensor, mask: torch.Tensor | None
     return stacked.reshape(B, T, H * d)
 
 
+def streamed_in_pieces(mem: NeuralMemory, hidden: torch.Tensor, mask: torch.Tensor | None, sizes: tuple[int, ...]):
+    """Feed `hidden` (and `mask`) to `mem` in pieces of `sizes`, carrying the state; the joined reads and last state."""
+    state, pieces, start = None, [], 0
+    for size in sizes:
+        out, state = mem(hidden[:, start:start + size], state, None if mask is None else mask[:, start:start + size])
+        pieces.append(out)
+        start += size
+    return torch.cat(pieces, 1), state
+
+
 def param_grads(mem, reads, probe):
     return torch.autograd.grad((reads * probe).sum(), list(mem.parameters()))
 
@@ -114,12 +124,7 @@ def test_streamed_pieces_match_reference_including_gradients(depth):
                                  max_lr=0.5, max_surprise_norm=0.05, theta_bias_init=0.0).double(), 8)
     hidden = torch.randn(2, 30, 12, dtype=torch.double)
     probe = torch.randn(2, 30, 8, dtype=torch.double)
-    state, pieces, start = None, [], 0
-    for size in (3, 5, 1, 4, 4, 13):
-        out, state = mem(hidden[:, start:start + size], state)
-        pieces.append(out)
-        start += size
-    reads = torch.cat(pieces, 1)
+    reads, _ = streamed_in_pieces(mem, hidden, None, (3, 5, 1, 4, 4, 13))
     expected = reference(mem, hidden)
     torch.testing.assert_close(reads, expected, rtol=0, atol=1e-10)
     for got, want in zip(param_grads(mem, reads, probe), param_grads(mem, expected, probe)):
@@ -179,12 +184,7 @@ def test_linear_memory_affine_scan_streamed_with_padding_matches_reference(batch
     probe = torch.randn(2, 30, 8, dtype=torch.double)
 
     def streamed():
-        state, pieces, start = None, [], 0
-        for size in (3, 6, 1, 13, 7):
-            out, state = mem(hidden[:, start:start + size], state, mask[:, start:start + size])
-            pieces.append(out)
-            start += size
-        return torch.cat(pieces, 1), state
+        return streamed_in_pieces(mem, hidden, mask, (3, 6, 1, 13, 7))
 
     reads, state = streamed()
     expected = reference(mem, hidden, mask)
@@ -208,13 +208,8 @@ def test_streaming_pieces_equal_one_pass(batch):
     mask = (torch.rand(2, 172) > 0.2).float()
     for use_mask in (None, mask):
         full, full_state = mem(hidden, mask=use_mask)
-        state, pieces, start = None, [], 0
-        for size in (1, 7, 64, 100):
-            piece_mask = None if use_mask is None else use_mask[:, start:start + size]
-            out, state = mem(hidden[:, start:start + size], state, piece_mask)
-            pieces.append(out)
-            start += size
-        torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-5, atol=1e-5)
+        reads, state = streamed_in_pieces(mem, hidden, use_mask, (1, 7, 64, 100))
+        torch.testing.assert_close(reads, full, rtol=1e-5, atol=1e-5)
         assert state.position == full_state.position == 172
         for key, value in full_state.state_dict().items():
             torch.testing.assert_close(state.state_dict()[key], value, rtol=1e-5, atol=1e-5, msg=key)
@@ -474,12 +469,7 @@ def test_linear_memory_streamed_with_padding_matches_reference_and_runs_without_
     probe = torch.randn(2, 26, 8, dtype=torch.double)
 
     def streamed():
-        state, pieces, start = None, [], 0
-        for size in (3, 6, 1, 9, 7):
-            out, state = mem(hidden[:, start:start + size], state, mask[:, start:start + size])
-            pieces.append(out)
-            start += size
-        return torch.cat(pieces, 1), state
+        return streamed_in_pieces(mem, hidden, mask, (3, 6, 1, 9, 7))
 
     reads, state = streamed()
     expected = reference(mem, hidden, mask, memory_fn=linear_memory)
@@ -509,12 +499,7 @@ def test_explicit_mlp_equals_its_autograd_twin(forward_only_models, batch):
     probe = torch.randn(2, 150, 24, dtype=torch.double)
 
     def streamed(mem):
-        state, pieces, start = None, [], 0
-        for size in (40, 1, 61, 48):
-            out, state = mem(hidden[:, start:start + size], state, mask[:, start:start + size])
-            pieces.append(out)
-            start += size
-        return torch.cat(pieces, 1), state
+        return streamed_in_pieces(mem, hidden, mask, (40, 1, 61, 48))
 
     results = []
     for mem in (explicit, generic):
