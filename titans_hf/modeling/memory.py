@@ -544,9 +544,7 @@ class NeuralMemory(nn.Module):
             else:  # S' = eta S - clip G / max(||G||, clip)
                 norm = torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True)
                 new_S = torch.addcdiv(etas[j] * S, G, norm.clamp(min=clip), value=-clip)
-            (W_new,), (S,) = _keep_rows_without_tokens([torch.addcmul(new_S, keeps[j], W)], [new_S], [W], [S],
-                                                      valids[j])
-            W = W_new
+            (W,), (S,) = _keep_rows_without_tokens([torch.addcmul(new_S, keeps[j], W)], [new_S], [W], [S], valids[j])
             if (first_chunk + j + 1) % m == 0:
                 point = W
         reads = []
