@@ -10,12 +10,12 @@
 4. The main job's stand-in (`titans_hf.demo`: a Qwen3 of hidden size 64 and 2 layers, chunks of 32 tokens attending
    to themselves, its memory settings) at batch 1, forward only, best of 5: tokens/s with the memory, with the memory
    switched off (the same chunk loop), and the plain base with full attention, at 1024 and 4096 tokens.
-5. `--gpu`: the prepared device run (not yet run: no device lent so far), the 0.5B-shaped model at 32k tokens,
-   chunk 4096, bf16, training step: tokens/s with the memory vs the same chunking vs full attention (SDPA, which
-   takes its flash kernel on CUDA for causal attention without a mask), and the share of the device's bf16 peak
-   (`--peak-tflops`, default an H100/H200's 989 dense) that the model FLOPs (6 N per token plus attention) reach;
-   beside them the Titans step with `compile_chunks()` (inductor; `--compile-backend none` leaves it out), its first
-   call's time (the compile) in `compile_seconds`.
+5. `--gpu`: the prepared device run (`scripts/device_bench.sh` runs it there; not yet run: no device lent so far),
+   the 0.5B-shaped model at 32k tokens, chunk 4096, bf16, training step: tokens/s with the memory vs the same
+   chunking vs full attention (SDPA, which takes its flash kernel on CUDA for causal attention without a mask), and
+   the share of the device's bf16 peak (`--peak-tflops`, default an H100/H200's 989 dense) that the model FLOPs
+   (6 N per token plus attention) reach; beside them the Titans step with `compile_chunks()` (inductor;
+   `--compile-backend none` leaves it out), its first call's time (the compile) in `compile_seconds`.
 6. `--compile`: the stand-in at batch 1, 1024 tokens, forward, with `compile_chunks()` (inductor, CPU) against the
    eager model (layer-major) and the eager chunk loop, and the tiny config's training step (256 tokens, chunks of
    64) as in part 1 with the compiled step beside it: compile times (first call) and tokens/s side by side.
@@ -45,7 +45,6 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from titans_hf.demo import MEMORY_SETTINGS, STAND_IN_BASE  # noqa: E402
 from titans_hf.modeling import TitansCache, TitansQwenConfig, TitansQwenForCausalLM  # noqa: E402
 
 TINY = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
@@ -259,6 +258,9 @@ def bench_prefill(lengths, chunk_size, device, dtype) -> list[dict]:
 
 def stand_in_models() -> tuple[Qwen3ForCausalLM, TitansQwenForCausalLM]:
     """The main job's stand-in base (random weights) and a TitansQwen with its memory settings around it."""
+    # imported here: the demo pulls in the data stack (datasets, h5py), which the device run does without
+    from titans_hf.demo import MEMORY_SETTINGS, STAND_IN_BASE
+
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=96, intermediate_size=2 * STAND_IN_BASE["hidden_size"],
                          head_dim=STAND_IN_BASE["hidden_size"] // STAND_IN_BASE["num_attention_heads"],
@@ -336,6 +338,20 @@ def bench_compiled_stand_in(length: int, repeats: int, backend: str) -> list[dic
             for label in runs]
     rows[-1].update(compile_seconds=first[0][0] - loop_wall, compile_cpu_seconds=first[0][1] - loop_cpu,
                     second_call_seconds=first[1][0])
+    return rows
+
+
+def bench_device(name: str, shape: dict, tokens: int, chunk_size: int, device: torch.device, dtype: torch.dtype,
+                 peak_tflops: float, compile_backend: str | None, repeats: int = 3) -> list[dict]:
+    """The prepared device run (`--gpu`: the 0.5B shape, 32k tokens, chunks of 4096, bf16 on CUDA): the training
+    step of `bench_training`, each row with the model TFLOP/s it reaches and their share of `peak_tflops` (the
+    memory's own FLOPs are left out: the backbone's work is what every row does)."""
+    rows = bench_training(name, shape, None, tokens, chunk_size, device, dtype, repeats=repeats,
+                          compile_backend=compile_backend)
+    for row in (r for r in rows if "seconds" in r):
+        flops = model_flops(shape, row["tokens"], None if "full attention" in row["model"] else chunk_size)
+        row["model_tflops_per_s"] = flops / row["seconds"] / 1e12
+        row["percent_of_bf16_peak"] = 100 * row["model_tflops_per_s"] / peak_tflops
     return rows
 
 
@@ -453,14 +469,9 @@ def main() -> None:
     if args.gpu:
         if not torch.cuda.is_available():
             raise SystemExit("--gpu: no CUDA device here")
-        device, dtype = torch.device("cuda"), torch.bfloat16
-        backend = None if args.compile_backend == "none" else args.compile_backend
-        rows += bench_training("qwen2.5-0.5b shape, bf16", QWEN25_05B, None, 32768, 4096, device, dtype, repeats=3,
-                               compile_backend=backend)
-        for row in (r for r in rows if "seconds" in r):  # the memory's own FLOPs are left out: the backbone's work
-            flops = model_flops(QWEN25_05B, row["tokens"], None if "full attention" in row["model"] else 4096)
-            row["model_tflops_per_s"] = flops / row["seconds"] / 1e12
-            row["percent_of_bf16_peak"] = 100 * row["model_tflops_per_s"] / args.peak_tflops
+        device = torch.device("cuda")
+        rows += bench_device("qwen2.5-0.5b shape, bf16", QWEN25_05B, 32768, 4096, device, torch.bfloat16,
+                             args.peak_tflops, None if args.compile_backend == "none" else args.compile_backend)
     elif args.compile:
         device = torch.device("cpu")
         rows += bench_compiled_stand_in(1024, repeats=5, backend=args.compile_backend)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The prepared GPU check of issue 23, in one device call, after scripts/device_wheels.sh has filled .whl/ here:
+#
+#     run(command="bash scripts/device_bench.sh", carry=[".whl"], timeout_s=600)
+#
+# Installs the carried wheels in front of the image's packages, prints the versions and the device, then runs
+# `bench_model.py --gpu` twice: eager only (about a minute), then with compile_chunks() on inductor, whose compile may
+# take minutes; each writes its table and JSON to $OUT as it finishes, so the eager figures come back even if the
+# compiled run outlasts its time.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:?device_bench.sh: OUT (the folder the device tool returns) is not set}"
+python3 -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl || exit 1
+export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+python3 - <<'PY' 2>&1 | tee "$out/versions.txt" || exit 1
+import huggingface_hub
+import torch
+import transformers
+
+import titans_hf.modeling  # noqa: F401
+
+print(f"torch {torch.__version__}, transformers {transformers.__version__}, huggingface_hub "
+      f"{huggingface_hub.__version__}, device {torch.cuda.get_device_name() if torch.cuda.is_available() else None}")
+PY
+timeout 150 python3 scripts/bench_model.py --gpu --compile-backend none --json "$out/bench_gpu_eager.json" 2>&1 \
+    | tee "$out/bench_gpu_eager.log"
+timeout 360 python3 scripts/bench_model.py --gpu --json "$out/bench_gpu.json" 2>&1 | tee "$out/bench_gpu.log"

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Run here before a device run: puts into .whl/ (git-ignored) the wheels that the device machine's image lacks or
+# holds in versions older than titans_hf needs, at the versions this checkout's .venv was tested with. The image
+# (Python 3.12, its own CUDA torch) has accelerate, tokenizers and safetensors, but transformers 5.17 and
+# huggingface_hub 1.33; the device run (scripts/device_bench.sh) needs neither datasets nor the training extras.
+#
+#     bash scripts/device_wheels.sh        # then: run(command="bash scripts/device_bench.sh", carry=[".whl"])
+set -euo pipefail
+cd "$(dirname "$0")/.."
+packages=(transformers huggingface_hub httpx2 httpcore2 truststore h11 anyio idna click typer annotated-doc regex
+          hf-xet typing_extensions)
+[ -x .venv/bin/python ] || { echo "device_wheels.sh: no .venv here; run scripts/setup_env.sh first" >&2; exit 1; }
+mapfile -t pinned < <(.venv/bin/python - "${packages[@]}" <<'PY'
+import importlib.metadata
+import sys
+
+for name in sys.argv[1:]:
+    print(f"{name}=={importlib.metadata.version(name)}")
+PY
+)
+rm -rf .whl.tmp
+python3 -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: --dest .whl.tmp \
+    --python-version "${DEVICE_PYTHON:-3.12}" --implementation cp --platform manylinux_2_28_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 "${pinned[@]}"
+rm -rf .whl && mv .whl.tmp .whl
+du -sh .whl && ls .whl
