@@ -18,6 +18,7 @@ for name in sys.argv[1:]:
     print(f"{name}=={importlib.metadata.version(name)}")
 PY
 )
+[ "${#pinned[@]}" -eq "${#packages[@]}" ] || { echo "device_wheels.sh: .venv lacks one of ${packages[*]}" >&2; exit 1; }
 rm -rf .whl.tmp
 python3 -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: --dest .whl.tmp \
     --python-version "${DEVICE_PYTHON:-3.12}" --implementation cp --platform manylinux_2_28_x86_64 \
