@@ -62,12 +62,24 @@ def reference(mem: NeuralMemory, hidden: torch.Tensor, mask: torch.Tensor | None
                     reads[b][t][h] = memory_fn(weights, q[b, t, h])
                 if len(tokens) < C:
                     break
+                count = real[b, tokens].sum()
+                if mem.update_rule == "delta":  # every token's own step at the weights the tokens before it left
+                    stepped = weights
+                    for t in tokens:
+                        loss = theta[b, t, h] * (memory_fn(stepped, k[b, t, h]) - v[b, t, h]).pow(2).sum()
+                        grads = torch.autograd.grad(loss, stepped, create_graph=True)
+                        stepped = [w - g for w, g in zip(stepped, grads)]
+                    if count > 0:
+                        alpha = torch.sigmoid((logits[b, tokens, 2 * H + h] * real[b, tokens]).sum() / count)
+                        weights = [(1 - alpha) * w + (s - w) for w, s in zip(weights, stepped)]
+                        norm = torch.sqrt(sum(w.pow(2).sum() for w in weights))
+                        weights = [w * mem.max_memory_norm / norm.clamp(min=mem.max_memory_norm) for w in weights]
+                    continue
                 surprise = [torch.zeros_like(w) for w in weights]
                 for t in tokens:
                     loss = theta[b, t, h] * (memory_fn(grad_point, k[b, t, h]) - v[b, t, h]).pow(2).sum()
                     grads = torch.autograd.grad(loss, grad_point, create_graph=True)
                     surprise = [s + g for s, g in zip(surprise, grads)]
-                count = real[b, tokens].sum()
                 if count > 0:
                     if mem.max_surprise_norm is not None:
                         norm = torch.sqrt(sum(s.pow(2).sum() for s in surprise))
@@ -80,6 +92,13 @@ def reference(mem: NeuralMemory, hidden: torch.Tensor, mask: torch.Tensor | None
                     grad_point = weights
     stacked = torch.stack([torch.stack([torch.stack(row, 0) for row in rows], 0) for rows in reads], 0)
     return stacked.reshape(B, T, H * d)
+
+
+def delta_memory(max_memory_norm: float = 3.0, **settings) -> NeuralMemory:
+    """A randomised fp64 memory with the delta rule (every setting but the rule's own may be overridden)."""
+    settings = dict(dict(hidden_size=12, num_heads=2, head_dim=4, depth=1, conv_kernel=3, chunk_size=4, max_lr=0.5,
+                         theta_bias_init=1.0), **settings)
+    return randomise(NeuralMemory(**settings, update_rule="delta", max_memory_norm=max_memory_norm).double(), 7)
 
 
 def streamed_in_pieces(mem: NeuralMemory, hidden: torch.Tensor, mask: torch.Tensor | None, sizes: tuple[int, ...]):
@@ -527,3 +546,103 @@ def test_memory_model_is_chosen_by_name_and_leaves_state_dict_keys_alone(forward
     linear = NeuralMemory(16, 2, 8, depth=2, memory_model="linear")
     assert [tuple(w.shape) for w in linear.initial_weights] == [(2, 8, 8)]
     assert set(linear.state_dict()) == set(mem.state_dict()) - {"initial_weights.1"}
+
+
+@pytest.mark.parametrize("chunk,cap", [(4, 3.0), (5, 1.5), (1, 3.0)])
+def test_delta_rule_matches_per_token_reference_with_padding_and_pieces(chunk, cap):
+    """The delta rule's chunk-parallel WY form against its per-token restatement (each token's step at the weights
+    the tokens before it left), with padding (a chunk without a real token), pieces that end mid-chunk, the forget
+    gate and the norm cap (a small cap binds, a large one does not); outer gradients too; no grad, the same bits."""
+    torch.manual_seed(0)
+    mem = delta_memory(cap, chunk_size=chunk)
+    hidden = torch.randn(2, 30, 12, dtype=torch.double)
+    mask = torch.ones(2, 30)
+    mask[0, 22:] = 0
+    mask[1, :9] = 0
+    probe = torch.randn(2, 30, 8, dtype=torch.double)
+    reads, state = streamed_in_pieces(mem, hidden, mask, (3, 6, 1, 13, 7))
+    expected = reference(mem, hidden, mask)
+    torch.testing.assert_close(reads, expected, rtol=0, atol=1e-10)
+    for got, want in zip(param_grads(mem, reads, probe), param_grads(mem, expected, probe)):
+        torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9)
+    assert not torch.allclose(expected[:, -1], memory_read_without_updates(mem, hidden)[:, -1])
+    with torch.no_grad():
+        reads_no_grad, state_no_grad = streamed_in_pieces(mem, hidden, mask, (3, 6, 1, 13, 7))
+    torch.testing.assert_close(reads_no_grad, reads, rtol=0, atol=0)
+    norms = torch.linalg.vector_norm(state.weights[0], dim=(-2, -1))
+    assert (norms <= cap + 1e-9).all()
+    if cap == 1.5:
+        assert torch.allclose(norms, torch.full_like(norms, cap)), norms  # the cap bound, and the test saw it bind
+
+
+def test_delta_rule_replaces_a_value_in_one_write():
+    """beta = 1 on a unit key: one token's step stores v at k exactly (M_W(k) = v), and rewriting the same key with
+    another value replaces it (what a new place for the same person needs); other, orthogonal keys keep theirs."""
+    mem = NeuralMemory(4, 1, 4, depth=1, chunk_size=2, max_lr=0.5, update_rule="delta",
+                       max_memory_norm=100.0).double()
+    W = torch.zeros(1, 4, 4, dtype=torch.double)
+    k = torch.eye(4, dtype=torch.double)[None, :2]  # two orthogonal unit keys in one update chunk
+    v = torch.tensor([[[1.0, 2.0, 3.0, 4.0], [0.0, -1.0, 0.0, 1.0]]], dtype=torch.double)
+    ones = [torch.ones(1, 1, 1, dtype=torch.double)]
+    step = lambda W, k, v: mem._scan_delta(k, k, v, torch.ones(1, 2, dtype=torch.double), ones, ones,  # noqa: E731
+                                           [None], [W], [torch.zeros_like(W)], [W], 0)[1][0]
+    W = step(W, k, v)
+    torch.testing.assert_close(k[0] + k[0] @ W[0], v[0], rtol=0, atol=1e-12)
+    replaced = torch.tensor([[[9.0, 9.0, 9.0, 9.0], [0.0, -1.0, 0.0, 1.0]]], dtype=torch.double)
+    W = step(W, k, replaced)
+    torch.testing.assert_close(k[0] + k[0] @ W[0], replaced[0], rtol=0, atol=1e-12)
+
+
+def test_delta_rule_transition_is_non_expansive_where_the_gradient_rule_is_not():
+    """An update chunk maps the weights as W -> (I - K^T Q) W + K^T P. For the delta rule (unit keys, 2 theta <= 1)
+    I - K^T Q is the product of the per-token contractions I - beta_t k_t^T k_t (spectral norm <= 1) for any keys,
+    however aligned; the chunked gradient rule's I - 2 sum theta_t k_t^T k_t reaches 1 - 2 * 8 * 1 = -15 for 8 equal
+    keys at max_lr 1."""
+    torch.manual_seed(0)
+    C, d = 8, 16
+    mem = NeuralMemory(d, 1, d, depth=1, chunk_size=C, max_lr=0.5, update_rule="delta",
+                       max_memory_norm=1e9).double()
+    base = F.normalize(torch.randn(1, d, dtype=torch.double), dim=-1)
+    keys = F.normalize(torch.cat([base + 1e-3 * torch.randn(C // 2, d, dtype=torch.double),
+                                  torch.randn(C // 2, d, dtype=torch.double)]), dim=-1)[None]
+    beta = torch.rand(1, C, dtype=torch.double).clamp(min=0.05)
+    beta[0, :3] = 1.0
+    ones = [torch.ones(1, 1, 1, dtype=torch.double)]
+    identity = torch.eye(d, dtype=torch.double)[None]
+    # values equal to the keys make P = 0: the chunk applied to W = I is the transition itself
+    transition = mem._scan_delta(keys, keys, keys, beta, ones, ones, [None], [identity], [identity * 0],
+                                 [identity], 0)[1][0][0]
+    sequential = identity[0]
+    for t in range(C):
+        sequential = (identity[0] - beta[0, t] * keys[0, t, :, None] * keys[0, t]) @ sequential
+    torch.testing.assert_close(transition, sequential, rtol=0, atol=1e-12)
+    assert torch.linalg.matrix_norm(transition, ord=2) <= 1 + 1e-12
+    same = base.expand(C, d)
+    gradient_map = identity[0] - 2 * 1.0 * same.T @ same
+    assert float(torch.linalg.eigvalsh(gradient_map).min()) == pytest.approx(-15.0)
+
+
+def test_delta_rule_state_stays_bounded_under_adversarial_writes():
+    """100,000 writes chosen against the memory: values of norm 1e6, steps of the largest beta, and pairs of keys
+    1e-3 apart with opposite values (the least-squares solution the delta rule chases has norm ~ 1 / 1e-3 * 1e6).
+    The docstring's bound holds at every update chunk: ||W_j||_F <= max(max_memory_norm, ||W_-1||_F) per head, and
+    the writes do push the state to it (the bound is not vacuous)."""
+    torch.manual_seed(0)
+    C, d, heads, cap = 8, 8, 2, 10.0
+    mem = NeuralMemory(d, heads, d, depth=1, chunk_size=C, max_lr=0.5, update_rule="delta", max_memory_norm=cap)
+    W = mem.init_state(1).weights[0].reshape(heads, d, d).detach()
+    bound = max(cap, float(torch.linalg.vector_norm(W, dim=(-2, -1)).max()))
+    ones = [torch.ones(heads, 1, 1)] * 25
+    largest = 0.0
+    with torch.no_grad():
+        for block in range(500):  # 500 calls of 25 chunks of 8 tokens: 100,000 writes per head
+            direction = F.normalize(torch.randn(heads, 1, d), dim=-1)
+            keys = F.normalize(direction + 1e-3 * torch.randn(heads, 25 * C, d), dim=-1)
+            values = 1e6 * torch.randn(heads, 1, d) * torch.where(torch.arange(25 * C) % 2 == 0, 1.0, -1.0)[:, None]
+            lr2 = torch.ones(heads, 25 * C)
+            _, (W,), _, _ = mem._scan_delta(keys, keys, values, lr2, ones, ones, [None] * 25, [W],
+                                            [torch.zeros_like(W)], [W], 0)
+            assert torch.isfinite(W).all()
+            largest = max(largest, float(torch.linalg.vector_norm(W, dim=(-2, -1)).max()))
+    assert largest <= bound * (1 + 1e-6), (largest, bound)
+    assert largest >= 0.99 * cap

@@ -21,6 +21,15 @@ Exact definitions (the tests' reference loop restates them; `H` heads of size `d
   ``G_j *= c / max(||G_j||, c)`` with ``||G_j||`` the norm over all layers and ``c = max_surprise_norm``.
   ``S_j = eta_j S_{j-1} - G_j``; ``W_j = (1 - alpha_j) W_{j-1} + S_j``; ``S_{-1} = 0``, ``W_{-1}`` = initial weights.
   A chunk without any real token leaves ``S`` and ``W`` unchanged.
+* The delta rule (``update_rule="delta"``, linear memory only, the configs' default): every token takes its own step
+  at the weights the tokens before it left, ``W <- W - theta_t grad_W ||M_W(k_t) - v_t||^2 = W + beta_t k_t^T (v_t -
+  k_t - k_t W)`` with ``beta_t = 2 theta_t <= 2 max_lr <= 1``; Titans' per-token rule without momentum, i.e. the
+  (gated) delta rule of DeltaNet. Since ``||k_t|| = 1``, each step maps ``W`` by ``I - beta_t k_t^T k_t``, whose
+  eigenvalues lie in ``[0, 1]``: a write contracts the memory along its key and replaces the value stored there
+  (in one step at ``beta = 1``). After the chunk's tokens, ``W_j = (1 - alpha_j) W_{j-1} + (W' - W_{j-1})`` with
+  ``W'`` the stepped weights, then ``W_j *= m / max(||W_j||_F, m)`` per head with ``m = max_memory_norm``: for any
+  input, ``||W_j||_F <= max(m, ||W_{-1}||_F)`` per head (the delta rule alone is not bounded: writes of opposite
+  values under nearly equal keys chase a least-squares solution of unbounded norm). Momentum is unused.
 * Read: token ``t`` of chunk ``j`` returns ``M_{W_{j-1}}(q_t)``: only strictly earlier chunks wrote what it reads.
   :meth:`NeuralMemory.retrieve` reads the current weights for tokens outside the stream, writing nothing.
 * Initial gate biases (``theta_bias_init`` -2, ``momentum_bias_init`` 0, ``forget_bias_init`` -4): small steps,
@@ -32,7 +41,9 @@ autograd. An :class:`ExplicitMemoryModel` (the MLP) writes the inner gradient an
 matmuls, so each update chunk runs as one autograd node (:class:`_ChunkStep`) and the surprise of a memory batch as
 another (:class:`_Surprise`); all heads, and all chunks of a memory batch, run as single matmuls either way. At depth 1
 (``M_W(z) = z + z W``, the default) the surprise is affine in ``W`` and the reads are linear in it: the stream then
-runs as a scan that only writes, and every chunk's reads are one product after it (:meth:`NeuralMemory._scan_affine`).
+runs as a scan that only writes, and every chunk's reads are one product after it (:meth:`NeuralMemory._scan_affine`;
+the delta rule's :meth:`NeuralMemory._scan_delta` solves each chunk's triangular system for all chunks before its
+loop, the WY form of DeltaNet's chunkwise algorithm).
 State is fp32 (fp64 when the module is fp64) whatever the activation dtype, and everything needed to continue
 mid-chunk lives in :class:`MemoryState`, so feeding the tokens in any pieces gives the same reads and state as one
 pass.
@@ -128,6 +139,9 @@ class MemoryState:
 
 
 CONV_INITS = ("identity", "window")
+# How an update chunk writes: "gradient" (Titans' chunked rule: every token's gradient at the chunk's starting weights,
+# clipped, with momentum) or "delta" (the exact per-token delta rule, a contraction along each key)
+UPDATE_RULES = ("gradient", "delta")
 
 
 # ---- memory models ----
@@ -325,6 +339,8 @@ class NeuralMemory(nn.Module):
         forget_bias_init: float = -4.0,
         norm_eps: float = 1e-6,
         memory_model: str = "mlp",
+        update_rule: str = "gradient",
+        max_memory_norm: float | None = None,
     ):
         super().__init__()
         for name, value in dict(hidden_size=hidden_size, num_heads=num_heads, head_dim=head_dim, depth=depth,
@@ -342,6 +358,23 @@ class NeuralMemory(nn.Module):
             raise ValueError(f"NeuralMemory: max_lr must be > 0, got {max_lr}")
         if max_surprise_norm is not None and not max_surprise_norm > 0:
             raise ValueError(f"NeuralMemory: max_surprise_norm must be > 0 or None, got {max_surprise_norm}")
+        if update_rule not in UPDATE_RULES:
+            raise ValueError(f"NeuralMemory: update_rule must be one of {UPDATE_RULES}, got {update_rule!r}")
+        if update_rule == "delta":
+            if memory_model != "mlp" or depth != 1:
+                raise ValueError(f"NeuralMemory: update_rule='delta' needs the linear memory (memory_model='mlp', "
+                                 f"depth=1), got memory_model={memory_model!r}, depth={depth}")
+            if batch_size != chunk_size:
+                raise ValueError(f"NeuralMemory: update_rule='delta' takes every token's step at the weights it "
+                                 f"meets, so batch_size ({batch_size}) must equal chunk_size ({chunk_size})")
+            if max_lr > 0.5:
+                raise ValueError(f"NeuralMemory: update_rule='delta' needs max_lr <= 0.5 (a step 2 theta <= 1 keeps "
+                                 f"each write a contraction along its key), got {max_lr}")
+            if max_memory_norm is None or not max_memory_norm > 0:
+                raise ValueError(f"NeuralMemory: update_rule='delta' needs max_memory_norm > 0, got {max_memory_norm}")
+        elif max_memory_norm is not None:
+            raise ValueError("NeuralMemory: max_memory_norm bounds the delta rule's state; update_rule='gradient' is "
+                             "bounded by max_surprise_norm and the forget gate")
         self.hidden_size, self.num_heads, self.head_dim, self.depth = hidden_size, num_heads, head_dim, depth
         self.conv_kernel, self.chunk_size, self.batch_size = conv_kernel, chunk_size, batch_size
         self.conv_init, self.memory_model = conv_init, memory_model
@@ -350,6 +383,7 @@ class NeuralMemory(nn.Module):
         self.affine = isinstance(self.model, MLPMemory) and len(self.model.shapes) == 1
         self.chunks_per_batch = batch_size // chunk_size
         self.max_lr, self.max_surprise_norm = max_lr, max_surprise_norm
+        self.update_rule, self.max_memory_norm = update_rule, max_memory_norm
         self.bias_init = (theta_bias_init, momentum_bias_init, forget_bias_init)
         inner = num_heads * head_dim
 
@@ -558,6 +592,44 @@ class NeuralMemory(nn.Module):
         return (torch.cat(reads, dim=1) if len(reads) > 1 else reads[0], weights, [S],
                 weights if point is W else [point])
 
+    def _scan_delta(self, q: Tensor, k: Tensor, v: Tensor, lr2: Tensor, etas: Sequence[Tensor],
+                    keeps: Sequence[Tensor], valids: Sequence[Tensor | None], weights: list[Tensor],
+                    momentum: list[Tensor], grad_point: list[Tensor], first_chunk: int
+                    ) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:
+        """:meth:`_scan` for the delta rule (``update_rule="delta"``, the linear memory): every token of update chunk
+        ``j`` takes its step ``W += beta_t k_t^T (v_t - k_t - k_t W)`` (``beta = 2 theta``) at the weights the
+        tokens before it left, computed chunk-parallel in the WY form: ``U_j = P_j - Q_j W_{j-1}`` with
+        ``[P_j, Q_j] = (I + tril(diag(beta) K_j K_j^T, -1))^-1 diag(beta) [V_j - K_j, K_j]`` solved for all chunks
+        at once before the loop, then ``W_j = (1 - alpha_j) W_{j-1} + K_j^T U_j`` rescaled to norm
+        ``max_memory_norm`` where it exceeds it. The loop holds two products a chunk; the reads of all chunks are one
+        product after it. Momentum is not used (it stays as it came)."""
+        C, cap, (BH, N, d) = self.chunk_size, self.max_memory_norm, q.shape
+        n_full = N // C
+        (W,), (S,) = weights, momentum
+        whole = lambda t: t[:, :n_full * C].unflatten(1, (n_full, C))  # noqa: E731
+        keys, beta = whole(k), whole(lr2).unsqueeze(-1)
+        lower = torch.tril(beta * (keys @ keys.transpose(-1, -2)), diagonal=-1)
+        lower = lower + torch.eye(C, dtype=lower.dtype, device=lower.device)
+        targets = beta * torch.cat([whole(v) - keys, keys], dim=-1)
+        P, Q = torch.linalg.solve_triangular(lower, targets, upper=False, unitriangular=True).split(d, dim=-1)
+        keys_t, P, Q = keys.transpose(-1, -2).unbind(1), P.unbind(1), Q.unbind(1)
+        read_weights = []
+        for j in range(n_full):
+            read_weights.append(W)
+            new_W = torch.addcmul(torch.bmm(keys_t[j], torch.baddbmm(P[j], Q[j], W, alpha=-1)), keeps[j], W)
+            norm = torch.linalg.vector_norm(new_W, dim=(-2, -1), keepdim=True)
+            new_W = new_W * (cap / norm.clamp(min=cap))
+            (W,), _ = _keep_rows_without_tokens([new_W], [S], [W], [S], valids[j])
+        reads = []
+        if n_full:
+            queries, stacked = whole(q).flatten(0, 1), torch.stack(read_weights, dim=1).flatten(0, 1)
+            reads.append(torch.baddbmm(queries, queries, stacked).view(BH, n_full * C, d))
+        if N > n_full * C:
+            rest = q[:, n_full * C:]
+            reads.append(torch.baddbmm(rest, rest, W))
+        weights = [W]
+        return torch.cat(reads, dim=1) if len(reads) > 1 else reads[0], weights, [S], weights
+
     # ---- forward ----
 
     def forward(self, hidden: Tensor, state: MemoryState | None = None, mask: Tensor | None = None
@@ -607,7 +679,7 @@ class NeuralMemory(nn.Module):
         flat = lambda ws: [w.reshape(BH, *w.shape[2:]) for w in ws]  # noqa: E731
         weights, momentum = flat(state.weights), flat(state.momentum)
         grad_point = weights if state.batch_start_weights is state.weights else flat(state.batch_start_weights)
-        scan = self._scan_affine if self.affine else self._scan
+        scan = self._scan_delta if self.update_rule == "delta" else self._scan_affine if self.affine else self._scan
         with torch.autocast(hidden.device.type, enabled=False):
             reads, weights, momentum, grad_point = scan(
                 q.reshape(BH, N, d), k.reshape(BH, N, d), v.reshape(BH, N, d), (2 * lr).reshape(BH, N), etas, keeps,
