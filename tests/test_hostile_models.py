@@ -208,7 +208,7 @@ def test_resume_without_rng_state_warns_naming_it(tiny_qwen3_dir, rows, checkpoi
 
 @pytest.mark.parametrize(("settings", "named"), [
     ({"chunk_size": 32}, "chunk_size 16 -> 32"),
-    ({"max_lr": 0.5}, "max_lr 0.1 -> 0.5"),
+    ({"max_lr": 0.25}, "max_lr 0.5 -> 0.25"),
     ({"memory_head_dim": 32}, "memory_head_dim 16 -> 32"),
 ])
 def test_resume_into_other_memory_settings_is_refused_naming_them(tiny_qwen3_dir, rows, checkpoints, settings,  # noqa: F811

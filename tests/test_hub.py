@@ -37,6 +37,7 @@ from titans_hf.hub import TitansMemoryConfig, push_memory_folder, render_memory_
 
 MEMORY_CONFIG = TitansMemoryConfig(
     chunk_size=64, memory_layers=[1], memory_num_heads=2, memory_head_dim=8, memory_depth=2, memory_chunk_size=16,
+    update_rule="gradient",
     base_model_name_or_path="Qwen/Qwen3-0.6B",
     base_shape={"hidden_size": 32, "num_hidden_layers": 2, "vocab_size": 512, "model_type": "qwen3"},
 )

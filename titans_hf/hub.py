@@ -120,14 +120,27 @@ class TitansMemoryConfig:
                 "helps recall."})
     conv_init: str = field(default="window", metadata={
         "help": "Start of the q/k convolution: window (mean over its taps) or identity (the plain projection)."})
-    memory_chunk_size: int = field(default=64, metadata={"help": "Tokens per memory update."})
+    memory_chunk_size: int = field(default=64, metadata={
+        "help": "Tokens per update chunk: a token reads the weights its chunk started with (with the delta rule "
+                "every token still takes its own step)."})
     memory_batch_size: int | None = field(default=None, metadata={
         "help": "Tokens between refreshes of the point where inner gradients are taken (None: every update)."})
-    max_lr: float = field(default=0.1, metadata={"help": "Upper bound of the data-dependent inner learning rate."})
+    update_rule: str = field(default="delta", metadata={
+        "help": "How the memory writes: delta (each token's step at the weights the tokens before it left, a "
+                "contraction along its key; the state's norm stays under max_memory_norm) or gradient (Titans' "
+                "chunked rule: every token's gradient at its chunk's starting weights, clipped, with momentum)."})
+    max_lr: float = field(default=0.5, metadata={
+        "help": "Upper bound of the data-dependent inner learning rate theta (delta: at most 0.5, a step 2 theta "
+                "<= 1)."})
+    max_memory_norm: float | None = field(default=None, metadata={
+        "help": "delta: each head's fast weights are rescaled to this Frobenius norm whenever an update leaves "
+                "them above it (None: 4 * sqrt(memory_head_dim))."})
     theta_bias_init: float = field(default=-2.0, metadata={
         "help": "Initial bias of the write gate: theta starts near max_lr * sigmoid(theta_bias_init)."})
-    forget_bias_init: float = field(default=-4.0, metadata={
-        "help": "Initial bias of the forget gate: alpha starts near sigmoid(forget_bias_init) per memory update."})
+    forget_bias_init: float = field(default=-30.0, metadata={
+        "help": "Initial bias of the forget gate: alpha starts near sigmoid(forget_bias_init) per memory update "
+                "(-30: no forgetting, and no gradient to raise it; a new value for a key replaces the old through "
+                "the update rule)."})
     num_memory_tokens: int = field(default=0, metadata={"help": "mac: memory tokens read at the start of a chunk."})
     num_persistent_tokens: int = field(default=0, metadata={"help": "mac: learned tokens prefixing every chunk."})
     attend_previous_chunk: bool = field(default=True, metadata={
@@ -163,7 +176,7 @@ class TitansMemoryConfig:
             integer(name, 1, optional=True)
         for name in ("num_memory_tokens", "num_persistent_tokens"):
             integer(name, 0)
-        for name in ("variant", "memory_model", "conv_init", "titans_hf_version"):
+        for name in ("variant", "memory_model", "conv_init", "update_rule", "titans_hf_version"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a string")
         for name in ("base_model_name_or_path", "revision", "base_fingerprint"):
@@ -180,6 +193,11 @@ class TitansMemoryConfig:
         if isinstance(self.max_lr, bool) or not isinstance(self.max_lr, (int, float)) or not self.max_lr > 0:
             raise ValueError(f"max_lr={self.max_lr!r} must be a number > 0")
         self.max_lr = float(self.max_lr)
+        if self.max_memory_norm is not None:
+            if (isinstance(self.max_memory_norm, bool) or not isinstance(self.max_memory_norm, (int, float))
+                    or not math.isfinite(self.max_memory_norm) or not self.max_memory_norm > 0):
+                raise ValueError(f"max_memory_norm={self.max_memory_norm!r} must be a finite number > 0 or None")
+            self.max_memory_norm = float(self.max_memory_norm)
         for name in ("theta_bias_init", "forget_bias_init"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -218,9 +236,10 @@ class TitansMemoryConfig:
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"{source}: unknown memory setting(s) {unknown}; known: {sorted(known)}")
-        if "titans_hf_version" in values and "attend_previous_chunk" not in values:
-            # a saved config (they carry the version) from before the option existed: chunk-local attention
-            values = {**values, "attend_previous_chunk": False}
+        if "titans_hf_version" in values:
+            # a saved config (they carry the version) from before an option existed keeps what it was trained with
+            for name, before in (("attend_previous_chunk", False), ("update_rule", "gradient")):
+                values = {name: before, **values}
         try:
             return cls(**values)
         except (TypeError, ValueError) as error:

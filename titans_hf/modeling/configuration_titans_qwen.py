@@ -10,7 +10,7 @@ from transformers.configuration_utils import SubConfigSpec
 
 from titans_hf.hub import MODEL_TYPE, TitansMemoryConfig
 
-from .memory import CONV_INITS, MEMORY_MODELS
+from .memory import CONV_INITS, MEMORY_MODELS, UPDATE_RULES
 from .variants import MEMORY_VARIANTS
 
 SUPPORTED_BASE_MODEL_TYPES = ("qwen2", "qwen3")
@@ -55,9 +55,21 @@ class TitansQwenConfig(PreTrainedConfig):
         memory = memory.for_base(text)
         for name, value, registry in (("variant", memory.variant, MEMORY_VARIANTS),
                                       ("memory_model", memory.memory_model, MEMORY_MODELS),
-                                      ("conv_init", memory.conv_init, CONV_INITS)):
+                                      ("conv_init", memory.conv_init, CONV_INITS),
+                                      ("update_rule", memory.update_rule, UPDATE_RULES)):
             if value not in registry:
                 raise ValueError(f"{name}={value!r} must be one of {sorted(registry)}")
+        if memory.update_rule == "delta":
+            if memory.memory_depth != 1 or memory.memory_batch_size not in (None, memory.memory_chunk_size):
+                raise ValueError(f"update_rule='delta' writes the linear memory token by token: it needs "
+                                 f"memory_depth=1 and no memory_batch_size (got {memory.memory_depth}, "
+                                 f"{memory.memory_batch_size}); set update_rule='gradient' for these settings")
+            if memory.max_lr > 0.5:
+                raise ValueError(f"update_rule='delta' needs max_lr <= 0.5 (a step 2 theta <= 1 keeps each write a "
+                                 f"contraction along its key), got {memory.max_lr}")
+        elif memory.max_memory_norm is not None:
+            raise ValueError("max_memory_norm bounds the delta rule's state; update_rule='gradient' is bounded by "
+                             "its surprise clip and the forget gate")
         MEMORY_VARIANTS[memory.variant].check_config(memory)
         if memory.attend_previous_chunk and set(text.layer_types) != {"full_attention"}:
             raise ValueError(f"attend_previous_chunk needs full-attention layers; this base's layer_types are "
