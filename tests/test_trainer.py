@@ -463,3 +463,66 @@ def test_evaluate_reports_the_exact_match_of_the_labelled_answers(tiny_qwen3_dir
             greedy = model(ids).logits[0].argmax(-1)
         length = len(columns["input_ids"][index]) - ANSWER_TOKENS
         assert not torch.equal(greedy[length - 1:-1], ids[0, length:])
+
+
+# ---- State Passing ----
+
+
+def test_memory_states_continue_a_stream_exactly(tiny_qwen3_dir):
+    """forward(memory_states=the end of a first part) reads the second part as the one-pass stream does (chunk-local
+    attention: only the memory crosses chunks), and its output's memory_states are the one pass's end."""
+    model = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, chunk_size=16, memory_chunk_size=8, memory_head_dim=16,
+                                            attend_previous_chunk=False).eval()
+    for block in model.memory.values():  # a memory whose reads matter (W_O starts at zero)
+        torch.nn.init.normal_(block.output_weight, std=0.5)
+    ids = torch.randint(1, model.config.text_config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        whole = model(ids)
+        first = model(ids[:, :32], memory_states=model.init_memory_states(2))
+        second = model(ids[:, 32:], memory_states=first.memory_states)
+    torch.testing.assert_close(second.logits, whole.logits[:, 32:], rtol=1e-5, atol=1e-5)
+    fresh = model(ids[:, 32:]).logits
+    assert not torch.allclose(fresh, whole.logits[:, 32:], atol=1e-3)  # the carried memory is what made it equal
+    with pytest.raises(ValueError, match="memory_states must hold 2 rows"):
+        model(ids[:, :16], memory_states=model.init_memory_states(3))
+
+
+def test_passed_memory_states_mix_rows_by_share():
+    """share 1: every row the previous micro-batch had starts from its end (weights and momentum), a row more
+    starts fresh; share 0: all fresh; convolution tail and position always fresh."""
+    from titans_hf.modeling.memory import NeuralMemory
+    from titans_hf.training.trainer import passed_memory_states
+
+    memory = NeuralMemory(8, 2, 4, depth=1, chunk_size=4, max_lr=0.5, update_rule="delta", max_memory_norm=3.0)
+    _, ended = memory(torch.randn(2, 8, 8))
+    ended = ended.detach()
+    fresh = {3: memory.init_state(3)}
+    torch.manual_seed(0)
+    mixed = passed_memory_states(fresh, {3: ended}, 1.0)[3]
+    assert torch.equal(mixed.weights[0][:2], ended.weights[0])
+    assert torch.equal(mixed.weights[0][2], fresh[3].weights[0][2])
+    assert mixed.batch_start_weights is mixed.weights
+    assert torch.equal(mixed.conv_tail, fresh[3].conv_tail) and mixed.position == 0
+    assert mixed.weights[0].requires_grad  # the fresh row still trains the initial weights
+    assert passed_memory_states(fresh, {3: ended}, 0.0) is fresh
+
+
+def test_state_passing_resumes_bitwise(tiny_qwen3_dir, rows, tmp_path):
+    """The states the last micro-batch ended in are saved beside each checkpoint and resumed from: a run stopped at
+    step 2 and resumed ends bitwise where the uninterrupted one does; without them it would not."""
+    full = make_trainer(tiny_qwen3_dir, tmp_path / "full", rows, save_strategy="no", state_passing=0.5)
+    full.train()
+    first = make_trainer(tiny_qwen3_dir, tmp_path / "run", rows, callbacks=[StopAtStep(2)], state_passing=0.5)
+    first.train()
+    assert (tmp_path / "run" / "checkpoint-2" / "passed_memory_states.safetensors").is_file()
+    resumed = make_trainer(tiny_qwen3_dir, tmp_path / "run", rows, state_passing=0.5)
+    resumed.train(resume_from_checkpoint=True)
+    for name, weight in trainable_weights(full.model).items():
+        assert torch.equal(trainable_weights(resumed.model)[name], weight), name
+    without = make_trainer(tiny_qwen3_dir, tmp_path / "run2", rows, callbacks=[StopAtStep(2)], state_passing=0.5)
+    without.train()
+    (tmp_path / "run2" / "checkpoint-2" / "passed_memory_states.safetensors").unlink()
+    forgetful = make_trainer(tiny_qwen3_dir, tmp_path / "run2", rows, state_passing=0.5)
+    forgetful.train(resume_from_checkpoint=True)
+    assert not all(torch.equal(trainable_weights(forgetful.model)[n], w)
+                   for n, w in trainable_weights(full.model).items())

@@ -78,10 +78,6 @@ MEMORY_SETTINGS = dict(
     memory_head_dim=16,
     conv_kernel=6,  # spans "Mary went back to the kitchen" and "Mary? \nAnswer:"
     memory_chunk_size=8,
-    max_lr=1.0,
-    # a fact written must stay for hundreds of chunks: no forgetting (alpha = sigmoid(-30), and no gradient to raise
-    # it); a new place for the same person overwrites the old through the update rule itself (docs/length.md)
-    forget_bias_init=-30.0,
     checkpoint_chunks=False,  # a few hundred tokens: recomputation would only cost time
     # chunk-local attention: with memory off, no chunk sees another, so the ablation shows what the memory carries
     attend_previous_chunk=False,
@@ -299,6 +295,7 @@ def run_demo(
     threads: int | None = 1,
     max_steps: int = -1,
     staged_curriculum: bool = True,
+    state_passing: float = 0.5,
     overwrite: bool = False,
     show_progress: bool = True,
 ) -> dict[str, Any]:
@@ -306,7 +303,9 @@ def run_demo(
 
     Lengths are given in chunks of the input (the question comes after it); `train_chunks` 0 means bare stories.
     The first epoch trains on rows of one chunk (bare stories); with `staged_curriculum` each later epoch admits the
-    rows of the next trained length until all are in, else the second epoch admits them all at once. Evaluation
+    rows of the next trained length until all are in, else the second epoch admits them all at once. A
+    `state_passing` share of the training rows start from the memory state another row ended in (State Passing,
+    see `TitansTrainingArguments`). Evaluation
     rows come from other generator seeds than training rows. `memory_settings` override `MEMORY_SETTINGS` (and the
     TitansQwenConfig defaults: variant, memory_layers, ...). Everything goes into `output_dir`, which must be absent,
     empty, or (with `overwrite`) a folder an earlier demo wrote whole; a run that fails leaves what was there.
@@ -385,6 +384,7 @@ def run_demo(
             max_steps=max_steps,
             curriculum_chunks=stages,
             curriculum_epochs_per_stage=1,
+            state_passing=state_passing,
             log_every_batches=max(1, min(20, planned_steps // 25)),  # a loss curve even for a few steps
             save_strategy="no",
             report_to=[],
@@ -428,6 +428,7 @@ def run_demo(
             "epochs": epochs,
             "batch_size": batch_size,
             "learning_rate": learning_rate,
+            "state_passing": state_passing,
             "threads": torch.get_num_threads(),
             "timings": {key: round(value, 1) for key, value in timings.items()},
         })

@@ -47,6 +47,10 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--variant", default=None, choices=["mag", "mal", "mac"], help="default: the config's")
     parser.add_argument("--memory-layers", type=int, nargs="+", default=None, help="default: the config's")
     parser.add_argument("--memory-depth", type=int, default=None, help="default: the config's")
+    parser.add_argument("--update-rule", default=None, choices=["delta", "gradient"],
+                        help="default: the config's (delta; a memory deeper than 1 needs gradient)")
+    parser.add_argument("--state-passing", type=float, default=0.5,
+                        help="share of training rows whose memory starts where another row's ended (0 to 1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1 measured fastest for this small model; more only adds overhead)")
@@ -56,7 +60,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 def demo_command(args: argparse.Namespace) -> int:
     logging.basicConfig(format="%(asctime)s %(message)s", level=logging.INFO, datefmt="%H:%M:%S")
     logging.getLogger("transformers").setLevel(logging.WARNING)
-    overrides = {"variant": args.variant, "memory_layers": args.memory_layers, "memory_depth": args.memory_depth}
+    overrides = {"variant": args.variant, "memory_layers": args.memory_layers, "memory_depth": args.memory_depth,
+                 "update_rule": args.update_rule}
     if args.variant == "mac":
         overrides["num_memory_tokens"] = 4
     demo = run_demo(
@@ -75,6 +80,7 @@ def demo_command(args: argparse.Namespace) -> int:
         learning_rate=args.learning_rate,
         max_steps=args.max_steps,
         staged_curriculum=args.curriculum == "staged",
+        state_passing=args.state_passing,
         overwrite=args.overwrite,
         memory_settings={key: value for key, value in overrides.items() if value is not None},
         seed=args.seed,
@@ -102,6 +108,11 @@ def demo_command(args: argparse.Namespace) -> int:
     print(f"\nBABILong {info['task']}, input lengths in tokens (chunks of {info['chunk_size']}; trained up to "
           f"{max(info['train_lengths'])} tokens), accuracy in %:")
     print(format_results_table(demo["results"]))
+    memory_chunk = info["memory_settings"]["memory_chunk_size"]
+    for length in info["eval_lengths"]:
+        print(f"  {length} tokens = {length // info['chunk_size']} chunks = {length // memory_chunk} memory updates "
+              f"(of {memory_chunk} tokens; the recipe's chunks of 4096 with updates of 64 reach as many updates at "
+              f"{64 * length // memory_chunk:,} tokens)")
     print(f"\nby distance from the supporting fact to the question:\n{format_distance_table(demo['results'])}")
     print("\nGoal:")
     print("\n".join(goal_report(demo["results"], info["chunk_size"])))

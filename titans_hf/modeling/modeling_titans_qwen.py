@@ -120,6 +120,7 @@ class TitansCausalLMOutput(CausalLMOutputWithPast):
     token_losses: torch.FloatTensor | None = None
     completion_log_probs: torch.FloatTensor | None = None
     last_hidden_state: torch.FloatTensor | None = None
+    memory_states: dict[int, MemoryState] | None = None
 
 
 @dataclass
@@ -1126,6 +1127,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         completion_ids: torch.LongTensor | None = None,
         completion_mask: Tensor | None = None,
         return_last_hidden_state: bool = False,
+        memory_states: dict[int, MemoryState] | None = None,
         **kwargs,
     ) -> "TitansCausalLMOutput":
         """Stream `input_ids` (or `inputs_embeds`, the embeddings of tokens) through the chunks, carrying the
@@ -1143,6 +1145,9 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         concatenated, the memory's contribution included; the last one normed), as a Qwen model does;
         `return_last_hidden_state` only that last one (`last_hidden_state`), what `base_model` returns, without
         keeping every layer's.
+        `memory_states` (one `MemoryState` per memory layer, for the batch's rows, e.g. another stream's end,
+        detached) start the stream instead of fresh states; the output's `memory_states` then holds the states the
+        stream ends in. Not with a `cache` (which holds its own) or rows left-padded off the chunk cycle.
 
         Each row's chunks start at its own first real token, so a row left-padded by any amount answers as it does
         alone (rows at different places of the chunk cycle run as separate batches: see `padding_multiple`);
@@ -1179,6 +1184,16 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         batch_size, length = inputs.shape[:2]
         if cache is not None and not isinstance(cache, TitansCache):
             raise ValueError(f"forward: cache must be a TitansCache, got {type(cache).__name__}")
+        if memory_states is not None:
+            if cache is not None or use_cache:
+                raise ValueError("forward: memory_states start a stream without a cache; a cache holds its own states")
+            if sorted(memory_states) != sorted(int(layer) for layer in self.memory):
+                raise ValueError(f"forward: memory_states must hold one state per memory layer "
+                                 f"{sorted(int(layer) for layer in self.memory)}, got {sorted(memory_states)}")
+            if any(state.batch_size != batch_size or state.position % self.config.memory_config.chunk_size
+                   for state in memory_states.values()):
+                raise ValueError(f"forward: memory_states must hold {batch_size} rows each, at a chunk boundary")
+            memory_states = dict(memory_states)
         if cache is None and use_cache:
             cache = TitansCache(self.config)
         if output_hidden_states is None:
@@ -1212,9 +1227,13 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         seen = cache.seen_tokens if cache is not None else 0
         groups = cache.phase_groups if seen else self._phase_groups(token_mask, cache)
         hidden_mode = "all" if output_hidden_states else "last" if return_last_hidden_state else None
+        if groups is not None and memory_states is not None:
+            raise ValueError("forward: memory_states need rows that start together (right padding, or left padding "
+                             f"by whole multiples of padding_multiple = {self.padding_multiple})")
         if groups is None:
             logits, loss_sum, per_token, hidden_states = self._stream(inputs, token_mask, shifted_labels, cache,
-                                                                      keep_start, predict, hidden_mode)
+                                                                      keep_start, predict, hidden_mode,
+                                                                      states=memory_states)
         else:
             logits, loss_sum, per_token, hidden_states = self._stream_groups(
                 groups, inputs, token_mask, shifted_labels, seen, keep_start, predict, hidden_mode)
@@ -1244,7 +1263,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
             (last_hidden_state,), hidden_states = hidden_states, None
         return TitansCausalLMOutput(loss=loss, logits=logits, cache=cache, hidden_states=hidden_states,
                                     label_predictions=label_predictions, token_losses=token_losses,
-                                    last_hidden_state=last_hidden_state)
+                                    last_hidden_state=last_hidden_state, memory_states=memory_states)
 
     def _stream_groups(
         self,
@@ -1299,16 +1318,19 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         predict: bool,
         hidden_states: str | None,
         carry: dict[str, Any] | None = None,
+        states: dict[int, MemoryState] | None = None,
     ) -> tuple[Tensor | None, Tensor | None, tuple[Tensor, Tensor] | None, tuple[Tensor, ...] | None]:
         """The chunk loop over rows whose chunks line up: (logits of positions >= keep_start or None, summed loss or
         None, with `predict` the greedy next token and loss of every position, with `hidden_states` the per-layer
         hidden states). Continues `cache`'s stream and leaves it after these tokens; without a cache, `carry` (a
         dict) receives the stream's end: the memory `states` and the `previous` chunk (None without
-        attend_previous_chunk), what a cache would hold."""
+        attend_previous_chunk), what a cache would hold. Given `states` (no cache), the stream starts from them and
+        leaves its end in that dict."""
         batch_size, length = inputs.shape[:2]
+        given = states
         if cache is not None and cache.memory_states is not None:
             states = cache.memory_states
-        else:
+        elif states is None:
             states = self.init_memory_states(batch_size, inputs.device)
         seen = cache.seen_tokens if cache is not None else 0
         memory = self.config.memory_config
@@ -1374,6 +1396,8 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
             cache.seen_tokens = seen + length
         if carry is not None:
             carry.update(states=states, previous=previous)
+        if given is not None:
+            given.update(states)
         return _joined_stream(all_logits, loss_sum, per_token, all_hidden)
 
     def _runs_layer_major(self, length: int, cache: TitansCache | None, use_checkpoint: bool) -> bool:

@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import pickle
+import dataclasses
 import shutil
 import tempfile
 from pathlib import Path
@@ -27,7 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -57,7 +59,9 @@ from titans_hf.hub import (
     read_memory_config,
     save_memory_folder,
 )
+from titans_hf.modeling.memory import MemoryState
 from titans_hf.utils import (
+    atomic_write,
     atomic_write_json,
     disk_full_message,
     record_outputs,
@@ -70,6 +74,7 @@ from .training_args import TitansTrainingArguments
 logger = logging.getLogger(__name__)
 
 SAMPLER_STATE_NAME = "sampler_state.json"
+PASSED_STATES_NAME = "passed_memory_states.safetensors"  # with several processes, one file each: _{rank} before .
 LOCK_NAME = ".titans_hf_train.lock"
 TRAINING_ARGS_JSON_NAME = "training_args.json"
 # Settings that make a resumed run another run when they change (the global batch among them).
@@ -233,6 +238,39 @@ def completions_loss(model: nn.Module, inputs: dict[str, torch.Tensor], dpo_beta
     return -F.logsigmoid(dpo_beta * (margins[:, 0] - margins[:, 1])).mean()
 
 
+def passed_memory_states(fresh: dict[int, MemoryState], passed: dict[int, MemoryState] | None,
+                         share: float) -> dict[int, MemoryState]:
+    """The states a micro-batch starts from under State Passing: for each row, with probability `share` (drawn from
+    torch's global generator, which checkpoints save and restore), the weights and momentum the row in its place
+    of the previous micro-batch ended with (`passed`, detached); else `fresh`'s. Rows the previous micro-batch did
+    not have start fresh. Everything else (convolution tail, position) is `fresh`'s: a new row starts a new text."""
+    if passed is None:
+        return fresh
+    rows = next(iter(fresh.values())).batch_size
+    take = torch.rand(rows) < share
+    take[min(rows, next(iter(passed.values())).batch_size):] = False
+    if not bool(take.any()):
+        return fresh
+
+    def mixed(new: list[torch.Tensor], old: list[torch.Tensor]) -> list[torch.Tensor]:
+        out = []
+        for n, o in zip(new, old):
+            kept = take.to(n.device).view(-1, *[1] * (n.dim() - 1))
+            o = torch.cat([o[:rows].to(n.dtype), n[o.shape[0]:].detach()]) if o.shape[0] < rows else o[:rows]
+            out.append(torch.where(kept, o.to(n.dtype), n))
+        return out
+
+    states = {}
+    for layer, state in fresh.items():
+        weights = mixed(state.weights, passed[layer].weights)
+        shared = state.batch_start_weights is state.weights
+        states[layer] = dataclasses.replace(
+            state, weights=weights, momentum=mixed(state.momentum, passed[layer].momentum),
+            batch_start_weights=weights if shared else mixed(state.batch_start_weights,
+                                                             passed[layer].batch_start_weights))
+    return states
+
+
 def checkpoint_problem(folder: str | os.PathLike) -> str | None:
     """What makes `folder` an incomplete checkpoint (a save that was cut short), or None when it is complete.
 
@@ -305,8 +343,11 @@ class TitansTrainer(CompiledChunks, Trainer):
                 "curriculum_chunks needs a chunk size: use a TitansQwen model (memory_config.chunk_size) or pass a "
                 "data_collator with chunk_size set"
             )
+        if args.state_passing and not hasattr(model, "init_memory_states"):
+            raise ValueError("state_passing carries a TitansQwen memory's state from row to row; this model has none")
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
         self._train_sampler: ResumableSampler | ChunkCurriculumSampler | None = None
+        self._passed_states: dict[int, MemoryState] | None = None
 
     # ---- data ----
 
@@ -355,6 +396,15 @@ class TitansTrainer(CompiledChunks, Trainer):
                      num_items_in_batch: int | torch.Tensor | None = None):
         """The Trainer's loss for windows; for batches of a `CompletionsCollator` (dpo and grpo rows) the loss of
         `completions_loss`, every completion scored from the memory state its prompt left."""
+        if "completion_ids" not in inputs and self.args.state_passing and model.training:
+            titans = self.accelerator.unwrap_model(model)
+            rows = inputs["input_ids"].shape[0]
+            fresh = titans.init_memory_states(rows, inputs["input_ids"].device)
+            starting = passed_memory_states(fresh, self._passed_states, self.args.state_passing)
+            loss, outputs = super().compute_loss(model, {**inputs, "memory_states": starting}, True,
+                                                 num_items_in_batch)
+            self._passed_states = {layer: state.detach() for layer, state in outputs.memory_states.items()}
+            return (loss, outputs) if return_outputs else loss
         if "completion_ids" not in inputs:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         loss = completions_loss(model, inputs, self.args.dpo_beta, titans=self.accelerator.unwrap_model(model))
@@ -605,6 +655,10 @@ class TitansTrainer(CompiledChunks, Trainer):
             if self._train_sampler is not None:
                 atomic_write_json(folder / SAMPLER_STATE_NAME, self._train_sampler.state_dict())
         self.accelerator.wait_for_everyone()
+        if self._passed_states is not None:  # every process its own rows
+            atomic_write(folder / self._passed_states_name(), lambda temporary: save_file(
+                {f"{layer}.{key}": value for layer, state in self._passed_states.items()
+                 for key, value in state.state_dict().items()}, temporary))
         try:
             super()._save_checkpoint(model, trial)
         except OSError as error:
@@ -680,7 +734,37 @@ class TitansTrainer(CompiledChunks, Trainer):
             raise ValueError(f"{_unreadable(checkpoint, (OPTIMIZER_NAME, SCHEDULER_NAME))}: cannot be loaded into this "
                              f"run's optimizer and scheduler ({error})") from error
 
+    def _passed_states_name(self) -> str:
+        stem, suffix = PASSED_STATES_NAME.split(".", 1)
+        return f"{stem}_{self.args.process_index}.{suffix}" if self.args.world_size > 1 else PASSED_STATES_NAME
+
+    def _load_passed_states(self, checkpoint: str) -> None:
+        """State Passing resumes from the states the checkpoint's last micro-batch ended in (saved beside it)."""
+        path = Path(checkpoint, self._passed_states_name())
+        if not self.args.state_passing or not path.is_file():
+            return
+        titans = self.accelerator.unwrap_model(self.model)
+        fresh = titans.init_memory_states(1)
+        try:
+            flat = load_file(str(path))
+            states = {}
+            for layer in fresh:
+                prefix = f"{layer}."
+                state = MemoryState.from_state_dict({key[len(prefix):]: value for key, value in flat.items()
+                                                     if key.startswith(prefix)})
+                if [w.shape[1:] for w in state.weights] != [w.shape[1:] for w in fresh[layer].weights]:
+                    raise ValueError(f"layer {layer}'s weights do not fit this model's memory")
+                if not all(torch.isfinite(w).all() for w in (*state.weights, *state.momentum)):
+                    raise ValueError(f"layer {layer}'s state is not finite")
+                states[layer] = state
+        except (OSError, SafetensorError, KeyError, ValueError) as error:
+            raise ValueError(f"{path}: not the passed memory states of this run ({error})") from error
+        device = next(titans.parameters()).device
+        self._passed_states = {layer: state.to(device) for layer, state in states.items()}
+
     def _load_rng_state(self, checkpoint: str | None) -> None:
+        if checkpoint is not None:
+            self._load_passed_states(checkpoint)
         try:
             super()._load_rng_state(checkpoint)
         except (RuntimeError, OSError, EOFError, pickle.UnpicklingError, KeyError, TypeError, ValueError) as error:

@@ -24,6 +24,9 @@ class TitansTrainingArguments(TrainingArguments):
         curriculum_chunks: chunk-count caps, one per stage, increasing (e.g. 1 2 4 8): stage s trains on the rows
             of at most `curriculum_chunks[s]` chunks, the last stage stays. None: no curriculum.
         curriculum_epochs_per_stage: epochs spent in each curriculum stage before the next one.
+        state_passing: share of training rows (0 to 1) whose memory starts from the state the row in the same place
+            of the previous micro-batch ended in (detached), instead of a fresh state: the read path then learns on
+            states that have taken many more updates than one row brings (State Passing). Default 0.
         dpo_beta: DPO's beta for dpo rows (TRL's default, 0.1).
         hub_dataset_ids: Hub ids of the datasets trained on, written into the model card of a push.
         overwrite_output_dir: let a fresh run replace the memory folder an earlier run saved in `output_dir` (only
@@ -56,6 +59,10 @@ class TitansTrainingArguments(TrainingArguments):
     curriculum_epochs_per_stage: int = field(
         default=1, metadata={"help": "Epochs spent in each curriculum stage before the next one."}
     )
+    state_passing: float = field(
+        default=0.0, metadata={"help": "Share of rows (0 to 1) whose memory starts where the row in the same place of "
+                                       "the previous micro-batch ended (State Passing), instead of fresh."}
+    )
     dpo_beta: float = field(
         default=0.1, metadata={"help": "dpo rows: DPO's beta, how far the memory may move the answers' log-ratio "
                                        "against the memory-off model."}
@@ -84,6 +91,8 @@ class TitansTrainingArguments(TrainingArguments):
                 raise ValueError(
                     f"curriculum_chunks must be positive and strictly increasing, got {self.curriculum_chunks}"
                 )
+        if not 0.0 <= self.state_passing <= 1.0:
+            raise ValueError(f"state_passing must lie in [0, 1], got {self.state_passing}")
         if self.curriculum_epochs_per_stage < 1:
             raise ValueError(f"curriculum_epochs_per_stage must be >= 1, got {self.curriculum_epochs_per_stage}")
         if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.accelerator.is_available():
