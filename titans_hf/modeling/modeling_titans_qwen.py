@@ -645,12 +645,13 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
 
     def save_memory(self, save_directory: str | os.PathLike) -> Path:
         """The memory alone, whatever `freeze_base` says, and beside it the LoRA adapter of the base if the model
-        holds one (`titans_hf.lora`: PEFT's adapter_config.json and adapter_model.safetensors)."""
+        holds one (`titans_hf.lora`: PEFT's adapter_config.json, naming this folder as the model it goes on, and
+        adapter_model.safetensors)."""
         adapter = None
         if getattr(self, "peft_config", None):
             from titans_hf.lora import adapter_files
 
-            adapter = adapter_files(self)
+            adapter = adapter_files(self, folder=save_directory)
         return save_memory_folder(save_directory, self.config.memory_config, self.memory_state_dict(),
                                   model_config=self.memory_folder_config(), adapter=adapter)
 
