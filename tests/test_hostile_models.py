@@ -139,6 +139,28 @@ def test_a_full_model_whose_config_declares_a_huge_memory_is_refused_naming_it(l
     assert checksums(tmp_path / "full") == before
 
 
+@pytest.mark.parametrize("damage", ["nan", "inf"])
+@pytest.mark.parametrize("part", ["memory", "base"])
+def test_broken_weights_of_a_full_model_folder_are_refused_naming_the_file_and_tensor(local_base, tmp_path, damage,
+                                                                                         part):
+    """A full model (save_full_model=True) is checked as a memory folder is: a NaN or infinite value in any tensor,
+    the memory's or the base's, is refused naming the file and the tensor, by the model class and the Auto class."""
+    from transformers import AutoModelForCausalLM
+
+    model = TitansQwenForCausalLM.from_base(local_base, chunk_size=16, memory_head_dim=16, memory_chunk_size=8)
+    folder = tmp_path / "full"
+    model.save_pretrained(folder, save_full_model=True)
+    weights = load_file(folder / "model.safetensors")
+    name = sorted(key for key in weights if key.startswith("memory." if part == "memory" else "model.layers."))[0]
+    weights[name].view(-1)[3] = float(damage)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    before = checksums(folder)
+    for load in (TitansQwenForCausalLM.from_pretrained, AutoModelForCausalLM.from_pretrained):
+        with pytest.raises(ValueError, match=rf"full/model\.safetensors: {re.escape(name)} holds NaN or infinite"):
+            load(folder)
+    assert checksums(folder) == before
+
+
 def test_a_pickle_only_model_folder_is_refused_naming_it(local_base, tmp_path):
     folder = tmp_path / "pickled"
     folder.mkdir()

@@ -547,7 +547,8 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *args: Any,
                         **kwargs: Any) -> "TitansQwenForCausalLM":
         """A memory folder or Hub repository (its `memory_config.json` names the base, which is loaded first; see
-        `from_base_and_memory` for the keyword arguments), or a full model saved with `save_full_model=True`.
+        `from_base_and_memory` for the keyword arguments), or a full model saved with `save_full_model=True`, whose
+        tensors must all be finite once loaded (a ValueError names the file and the tensor), as a memory's are.
 
         `AutoModelForCausalLM.from_pretrained` and `pipeline` arrive here through the folder's `config.json`; what
         they add (the config they read from it, their own markers, `trust_remote_code`) does not reach the base,
@@ -563,18 +564,25 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
             return cls.from_base_and_memory(None, pretrained_model_name_or_path, **kwargs)
         check_safetensors_folder(pretrained_model_name_or_path, "from_pretrained: the model folder")
         folder = Path(pretrained_model_name_or_path)
+        files: dict[str, Path] = {}  # tensor name: the file of the folder that holds it
         if folder.is_dir() and any(folder.glob("*.safetensors")):
             # a full model folder: its memory's shapes against its config before anything is built (a config that
             # declares a huge memory is named here, not in the loader's size-mismatch report)
             config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+            headers = {path: read_safetensors_header(path) for path in sorted(folder.glob("*.safetensors"))}
+            files = {name: path for path, header in headers.items() for name in header}
             if isinstance(config, TitansQwenConfig):
-                header = {name: entry for path in sorted(folder.glob("*.safetensors"))
-                          for name, entry in read_safetensors_header(path).items()
+                header = {name: entry for header in headers.values() for name, entry in header.items()
                           if not name.startswith(BASE_PREFIXES)}
                 cls.check_memory_weights(config.memory_config, header, str(folder), check_dtype=False)
         # loading swaps in new Parameter objects, which forget the freeze applied in __init__
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         model._apply_freeze_base()
+        # as a memory folder's weights are (load_memory_state_dict): one pass over the loaded tensors, no file read
+        for name, tensor in model.state_dict().items():
+            if tensor.is_floating_point() and tensor.device.type != "meta" and not bool(torch.isfinite(tensor).all()):
+                raise ValueError(f"{files.get(name, pretrained_model_name_or_path)}: {name} holds NaN or infinite "
+                                 "values; the model is broken (a diverged training run), not loaded")
         return model
 
     def memory_state_dict(self) -> dict[str, Tensor]:
