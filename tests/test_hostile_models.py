@@ -1,6 +1,8 @@
 """Hostile input, second round, the model side: nothing picks another model silently (a local base resolves to
 the same folder from anywhere, or loading refuses naming it), resume refuses or warns naming the file or setting,
-broken or oversized memory files are refused before anything is allocated, and forward names bad ids.
+broken or oversized memory files are refused before anything is allocated, a full model with a NaN or infinite
+tensor is refused naming it, a vocabulary resize that could not be saved is refused when asked, and forward names bad
+ids.
 
 Each test checksums what it hands in and checks it is unchanged afterwards.
 """
@@ -159,6 +161,58 @@ def test_broken_weights_of_a_full_model_folder_are_refused_naming_the_file_and_t
         with pytest.raises(ValueError, match=rf"full/model\.safetensors: {re.escape(name)} holds NaN or infinite"):
             load(folder)
     assert checksums(folder) == before
+
+
+def test_resizing_the_vocabulary_of_a_frozen_base_is_refused_when_asked(local_base, tmp_path):
+    """A frozen base stays as loaded and its memory folder holds the memory alone: new token rows could neither
+    train nor be saved, so resize_token_embeddings refuses to change the size (not save_pretrained, later, writing a
+    folder that lost them), and leaves the model as it was. A call that keeps the size is what it always is."""
+    from transformers import AutoTokenizer
+
+    before = checksums(local_base)
+    model = TitansQwenForCausalLM.from_base(local_base, chunk_size=16, memory_head_dim=16, memory_chunk_size=8)
+    tokenizer = AutoTokenizer.from_pretrained(local_base)
+    rows = len(tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|fact|>"]})
+    embeddings = model.get_input_embeddings()
+    for new_num_tokens, pad_to_multiple_of, target in ((len(tokenizer), None, rows + 1), (rows - 2, None, rows - 2),
+                                                       (None, 3, (rows + 2) // 3 * 3)):  # rows padded
+        with pytest.raises(ValueError, match=rf"resize_token_embeddings: {rows} -> {target} tokens, but the base is "
+                                             r"frozen \(freeze_base=True\).* could neither train nor be saved"):
+            model.resize_token_embeddings(new_num_tokens, pad_to_multiple_of=pad_to_multiple_of)
+    assert model.get_input_embeddings() is embeddings and embeddings.weight.shape[0] == rows
+    assert model.config.text_config.vocab_size == model.config.memory_config.base_shape["vocab_size"] == rows
+    assert model.resize_token_embeddings(rows, pad_to_multiple_of=64) is embeddings  # 512: a multiple of 64
+    assert model.resize_token_embeddings() is embeddings
+    model.save_pretrained(tmp_path / "memory")
+    assert TitansQwenForCausalLM.from_pretrained(tmp_path / "memory").config.text_config.vocab_size == rows
+    assert checksums(local_base) == before
+
+
+def test_resizing_the_vocabulary_of_a_trainable_base_trains_saves_and_loads_the_new_rows(local_base, tmp_path):
+    """With freeze_base=False the whole model trains and saves: the new token's rows get gradients, and the saved
+    model loads back (model class and Auto class) with them, its memory config recording the new vocabulary."""
+    from transformers import AutoModelForCausalLM
+
+    model = TitansQwenForCausalLM.from_base(local_base, chunk_size=16, memory_head_dim=16, memory_chunk_size=8,
+                                            freeze_base=False)
+    rows = model.config.text_config.vocab_size
+    model.resize_token_embeddings(rows + 1)
+    assert model.config.text_config.vocab_size == model.config.memory_config.base_shape["vocab_size"] == rows + 1
+    ids = torch.tensor([[1, 2, rows, 3, rows, 4] * 4])
+    model.train()(input_ids=ids, labels=ids).loss.backward()
+    for weights in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
+        assert weights.requires_grad and bool(weights.grad[rows].abs().sum() > 0)
+    model.save_pretrained(tmp_path / "full")
+    before = checksums(tmp_path / "full")
+    with torch.no_grad():
+        expected = model.eval()(ids).logits
+        for load in (TitansQwenForCausalLM.from_pretrained, AutoModelForCausalLM.from_pretrained):
+            loaded = load(tmp_path / "full").eval()
+            assert loaded.get_input_embeddings().weight.shape[0] == rows + 1
+            assert torch.equal(loaded.get_input_embeddings().weight, model.get_input_embeddings().weight)
+            assert torch.equal(loaded(ids).logits, expected)
+    assert checksums(tmp_path / "full") == before
 
 
 def test_a_pickle_only_model_folder_is_refused_naming_it(local_base, tmp_path):

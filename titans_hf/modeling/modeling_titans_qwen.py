@@ -17,6 +17,7 @@ alone (see `titans_hf.hub`).
 """
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -672,6 +673,28 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         values.pop("_name_or_path", None)
         values["text_config"].pop("_name_or_path", None)
         return values
+
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True) -> nn.Embedding:
+        """`PreTrainedModel.resize_token_embeddings` for a base that trains (freeze_base=False): the new rows train
+        with it and the whole model saves, its memory config's `base_shape` recording the new vocabulary so that
+        the folder loads back. With a frozen base a change of size is refused here: the base stays as loaded and a
+        memory folder holds the memory alone, so new rows could neither train nor be saved, and the folder would
+        load on the base's vocabulary."""
+        rows = self.get_input_embeddings().weight.shape[0]
+        target = rows if new_num_tokens is None else new_num_tokens
+        if pad_to_multiple_of:
+            target = math.ceil(target / pad_to_multiple_of) * pad_to_multiple_of
+        memory = self.config.memory_config
+        if memory.freeze_base and target != rows:
+            raise ValueError(f"resize_token_embeddings: {rows} -> {target} tokens, but the base is frozen "
+                             "(freeze_base=True) and a memory folder holds the memory alone, so the changed rows could "
+                             "neither train nor be saved; resize the base and save it as a new base before from_base, "
+                             "or build the model with freeze_base=False to train and save the whole model")
+        embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+        self.config.memory_config = dataclasses.replace(memory, base_shape={
+            **memory.base_shape, "vocab_size": self.config.text_config.vocab_size})
+        return embeddings
 
     def push_to_hub(self, repo_id: str, *args: Any, push_full_model: bool = False, token: str | None = None,
                     private: bool | None = None, commit_message: str | None = None, results: dict | None = None,
