@@ -2,7 +2,7 @@
 the same folder from anywhere, or loading refuses naming it), resume refuses or warns naming the file or setting,
 broken or oversized memory files are refused before anything is allocated, a full model with a NaN or infinite
 tensor is refused naming it, a vocabulary resize that could not be saved is refused when asked, and forward names bad
-ids.
+ids and the attentions it cannot give.
 
 Each test checksums what it hands in and checks it is unchanged afterwards.
 """
@@ -235,6 +235,25 @@ def test_forward_names_ids_outside_the_vocabulary_and_float_ids(local_base):
         model(torch.tensor([[1, -1]]))
     with pytest.raises(ValueError, match=r"must hold integer token ids, got a torch\.float32 tensor"):
         model(torch.tensor([[1.0, 2.0]]))
+
+
+def test_output_attentions_is_refused_naming_why(local_base):
+    """The chunked run has no attention map over the input (each chunk attends over itself and the previous chunk,
+    the memory carries the rest): asking for one, by argument, through base_model, generate or the config, is
+    refused, never answered with attentions=None."""
+    model = TitansQwenForCausalLM.from_base(local_base, chunk_size=16, memory_head_dim=16, memory_chunk_size=8,
+                                            attn_implementation="eager")
+    ids = torch.tensor([[1, 2, 3, 4] * 10])
+    why = r"output_attentions=True: .* attends chunk by chunk .* no attention map over the input"
+    for call in (lambda: model(ids, output_attentions=True), lambda: model.base_model(ids, output_attentions=True),
+                 lambda: model.generate(ids, max_new_tokens=2, output_attentions=True, return_dict_in_generate=True)):
+        with pytest.raises(ValueError, match=why):
+            call()
+    expected = model(ids, output_attentions=False).logits
+    model.config.output_attentions = True
+    with pytest.raises(ValueError, match=why):
+        model(ids)
+    assert torch.equal(model(ids, output_attentions=False).logits, expected)  # the argument decides over the config
 
 
 def test_eval_checks_device_and_counts_before_loading_anything(tmp_path, capsys):

@@ -270,7 +270,8 @@ class TitansBackbone(nn.Module):
         with context:
             # the class's forward: this view is called from inside the model's own (possibly patched) forward
             outputs = type(titans).forward(titans, input_ids=input_ids, attention_mask=attention_mask,
-                                           inputs_embeds=inputs_embeds, return_last_hidden_state=True)
+                                           inputs_embeds=inputs_embeds, return_last_hidden_state=True,
+                                           output_attentions=kwargs.get("output_attentions"))
         return BaseModelOutputWithPast(last_hidden_state=outputs.last_hidden_state)
 
 
@@ -1174,7 +1175,8 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         `output_hidden_states` returns the embeddings and every layer's output over the whole input (the chunks'
         concatenated, the memory's contribution included; the last one normed), as a Qwen model does;
         `return_last_hidden_state` only that last one (`last_hidden_state`), what `base_model` returns, without
-        keeping every layer's.
+        keeping every layer's. `output_attentions=True` (or the config's) is refused: the chunks' attention is no
+        map over the input.
 
         Each row's chunks start at its own first real token, so a row left-padded by any amount answers as it does
         alone (rows at different places of the chunk cycle run as separate batches: see `padding_multiple`);
@@ -1187,6 +1189,11 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         every completion scored from the memory state it leaves (see `completion_log_probs`). This is how the DPO
         and GRPO losses of dpo / grpo rows call the model, so that a DDP or FSDP wrapper sees the call.
         """
+        output_attentions = kwargs.get("output_attentions")
+        if output_attentions if output_attentions is not None else self.config.output_attentions:
+            raise ValueError("forward: output_attentions=True: TitansQwenForCausalLM attends chunk by chunk (each chunk "
+                             "over itself, the previous chunk and the memory's prefix tokens; the memory carries the "
+                             "rest), so it has no attention map over the input to return")
         if self.training and torch.is_grad_enabled() and self._memory_enabled and not self._warned_frozen_memory:
             self._warn_if_memory_frozen()
         if completion_ids is not None:
