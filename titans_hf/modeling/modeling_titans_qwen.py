@@ -1191,9 +1191,9 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         """
         output_attentions = kwargs.get("output_attentions")
         if output_attentions if output_attentions is not None else self.config.output_attentions:
-            raise ValueError("forward: output_attentions=True: TitansQwenForCausalLM attends chunk by chunk (each chunk "
-                             "over itself, the previous chunk and the memory's prefix tokens; the memory carries the "
-                             "rest), so it has no attention map over the input to return")
+            raise ValueError("forward: output_attentions=True: TitansQwenForCausalLM attends chunk by chunk (each "
+                             "chunk over itself, the previous chunk and the memory's prefix tokens; the memory carries "
+                             "the rest), so it has no attention map over the input to return")
         if self.training and torch.is_grad_enabled() and self._memory_enabled and not self._warned_frozen_memory:
             self._warn_if_memory_frozen()
         if completion_ids is not None:
