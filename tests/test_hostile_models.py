@@ -1,6 +1,8 @@
 """Hostile input, second round, the model side: nothing picks another model silently (a local base resolves to
 the same folder from anywhere, or loading refuses naming it), resume refuses or warns naming the file or setting,
-broken or oversized memory files are refused before anything is allocated, and forward names bad ids.
+broken or oversized memory files are refused before anything is allocated, a full model with a NaN or infinite
+tensor is refused naming it, a vocabulary resize that could not be saved is refused when asked, and forward names bad
+ids and the attentions it cannot give.
 
 Each test checksums what it hands in and checks it is unchanged afterwards.
 """
@@ -139,6 +141,80 @@ def test_a_full_model_whose_config_declares_a_huge_memory_is_refused_naming_it(l
     assert checksums(tmp_path / "full") == before
 
 
+@pytest.mark.parametrize("damage", ["nan", "inf"])
+@pytest.mark.parametrize("part", ["memory", "base"])
+def test_broken_weights_of_a_full_model_folder_are_refused_naming_the_file_and_tensor(local_base, tmp_path, damage,
+                                                                                         part):
+    """A full model (save_full_model=True) is checked as a memory folder is: a NaN or infinite value in any tensor,
+    the memory's or the base's, is refused naming the file and the tensor, by the model class and the Auto class."""
+    from transformers import AutoModelForCausalLM
+
+    model = TitansQwenForCausalLM.from_base(local_base, chunk_size=16, memory_head_dim=16, memory_chunk_size=8)
+    folder = tmp_path / "full"
+    model.save_pretrained(folder, save_full_model=True)
+    weights = load_file(folder / "model.safetensors")
+    name = sorted(key for key in weights if key.startswith("memory." if part == "memory" else "model.layers."))[0]
+    weights[name].view(-1)[3] = float(damage)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    before = checksums(folder)
+    for load in (TitansQwenForCausalLM.from_pretrained, AutoModelForCausalLM.from_pretrained):
+        with pytest.raises(ValueError, match=rf"full/model\.safetensors: {re.escape(name)} holds NaN or infinite"):
+            load(folder)
+    assert checksums(folder) == before
+
+
+def test_resizing_the_vocabulary_of_a_frozen_base_is_refused_when_asked(local_base, tmp_path):
+    """A frozen base stays as loaded and its memory folder holds the memory alone: new token rows could neither
+    train nor be saved, so resize_token_embeddings refuses to change the size (not save_pretrained, later, writing a
+    folder that lost them), and leaves the model as it was. A call that keeps the size is what it always is."""
+    from transformers import AutoTokenizer
+
+    before = checksums(local_base)
+    model = TitansQwenForCausalLM.from_base(local_base, chunk_size=16, memory_head_dim=16, memory_chunk_size=8)
+    tokenizer = AutoTokenizer.from_pretrained(local_base)
+    rows = len(tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|fact|>"]})
+    embeddings = model.get_input_embeddings()
+    for new_num_tokens, pad_to_multiple_of, target in ((len(tokenizer), None, rows + 1), (rows - 2, None, rows - 2),
+                                                       (None, 3, (rows + 2) // 3 * 3)):  # rows padded
+        with pytest.raises(ValueError, match=rf"resize_token_embeddings: {rows} -> {target} tokens, but the base is "
+                                             r"frozen \(freeze_base=True\).* could neither train nor be saved"):
+            model.resize_token_embeddings(new_num_tokens, pad_to_multiple_of=pad_to_multiple_of)
+    assert model.get_input_embeddings() is embeddings and embeddings.weight.shape[0] == rows
+    assert model.config.text_config.vocab_size == model.config.memory_config.base_shape["vocab_size"] == rows
+    assert model.resize_token_embeddings(rows, pad_to_multiple_of=64) is embeddings  # 512: a multiple of 64
+    assert model.resize_token_embeddings() is embeddings
+    model.save_pretrained(tmp_path / "memory")
+    assert TitansQwenForCausalLM.from_pretrained(tmp_path / "memory").config.text_config.vocab_size == rows
+    assert checksums(local_base) == before
+
+
+def test_resizing_the_vocabulary_of_a_trainable_base_trains_saves_and_loads_the_new_rows(local_base, tmp_path):
+    """With freeze_base=False the whole model trains and saves: the new token's rows get gradients, and the saved
+    model loads back (model class and Auto class) with them, its memory config recording the new vocabulary."""
+    from transformers import AutoModelForCausalLM
+
+    model = TitansQwenForCausalLM.from_base(local_base, chunk_size=16, memory_head_dim=16, memory_chunk_size=8,
+                                            freeze_base=False)
+    rows = model.config.text_config.vocab_size
+    model.resize_token_embeddings(rows + 1)
+    assert model.config.text_config.vocab_size == model.config.memory_config.base_shape["vocab_size"] == rows + 1
+    ids = torch.tensor([[1, 2, rows, 3, rows, 4] * 4])
+    model.train()(input_ids=ids, labels=ids).loss.backward()
+    for weights in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
+        assert weights.requires_grad and bool(weights.grad[rows].abs().sum() > 0)
+    model.save_pretrained(tmp_path / "full")
+    before = checksums(tmp_path / "full")
+    with torch.no_grad():
+        expected = model.eval()(ids).logits
+        for load in (TitansQwenForCausalLM.from_pretrained, AutoModelForCausalLM.from_pretrained):
+            loaded = load(tmp_path / "full").eval()
+            assert loaded.get_input_embeddings().weight.shape[0] == rows + 1
+            assert torch.equal(loaded.get_input_embeddings().weight, model.get_input_embeddings().weight)
+            assert torch.equal(loaded(ids).logits, expected)
+    assert checksums(tmp_path / "full") == before
+
+
 def test_a_pickle_only_model_folder_is_refused_naming_it(local_base, tmp_path):
     folder = tmp_path / "pickled"
     folder.mkdir()
@@ -159,6 +235,25 @@ def test_forward_names_ids_outside_the_vocabulary_and_float_ids(local_base):
         model(torch.tensor([[1, -1]]))
     with pytest.raises(ValueError, match=r"must hold integer token ids, got a torch\.float32 tensor"):
         model(torch.tensor([[1.0, 2.0]]))
+
+
+def test_output_attentions_is_refused_naming_why(local_base):
+    """The chunked run has no attention map over the input (each chunk attends over itself and the previous chunk,
+    the memory carries the rest): asking for one, by argument, through base_model, generate or the config, is
+    refused, never answered with attentions=None."""
+    model = TitansQwenForCausalLM.from_base(local_base, chunk_size=16, memory_head_dim=16, memory_chunk_size=8,
+                                            attn_implementation="eager")
+    ids = torch.tensor([[1, 2, 3, 4] * 10])
+    why = r"output_attentions=True: .* attends chunk by chunk .* no attention map over the input"
+    for call in (lambda: model(ids, output_attentions=True), lambda: model.base_model(ids, output_attentions=True),
+                 lambda: model.generate(ids, max_new_tokens=2, output_attentions=True, return_dict_in_generate=True)):
+        with pytest.raises(ValueError, match=why):
+            call()
+    expected = model(ids, output_attentions=False).logits
+    model.config.output_attentions = True
+    with pytest.raises(ValueError, match=why):
+        model(ids)
+    assert torch.equal(model(ids, output_attentions=False).logits, expected)  # the argument decides over the config
 
 
 def test_eval_checks_device_and_counts_before_loading_anything(tmp_path, capsys):

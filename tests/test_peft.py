@@ -200,8 +200,9 @@ def test_a_saved_folder_holds_the_memory_and_peft_adapter_and_reloads_to_equal_l
     adapter_config = json.loads((folder / ADAPTER_CONFIG_NAME).read_text())
     memory_config = json.loads((folder / MEMORY_CONFIG_NAME).read_text())
     assert adapter_config["peft_type"] == "LORA" and adapter_config["r"] == 4
-    assert adapter_config["base_model_name_or_path"] == memory_config["base_model_name_or_path"] == str(
-        tiny_qwen3_dir.resolve())
+    # the memory names the base; the adapter names this folder, the base plus the memory (see test_load_routes)
+    assert memory_config["base_model_name_or_path"] == str(tiny_qwen3_dir.resolve())
+    assert adapter_config["base_model_name_or_path"] == str(folder.resolve())
 
     generated = model.generate(ids[:, :20], max_new_tokens=6, do_sample=False)
     for loaded in (TitansQwenForCausalLM.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder),
@@ -338,15 +339,14 @@ def test_push_to_hub_uploads_memory_and_adapter_and_the_auto_class_loads_both(
 
 
 def test_peft_auto_class_on_a_folder_naming_itself_counts_the_lora_once(tiny_qwen3_dir, tmp_path):
-    """A pushed adapter_config.json names its own repository as the model (above); PEFT's AutoPeftModelForCausalLM
-    then loads that model (base, memory, LoRA) and its adapter into the same LoRA layers, under the same name: the
-    LoRA counts once, the logits are the model's (PEFT warns of a second peft_config). Here a folder names itself,
-    as a repository does once pushed (PEFT's loader reaches the real Hub for a repository id)."""
+    """A pushed adapter_config.json names its own repository as the model (above), a saved one its own folder;
+    PEFT's AutoPeftModelForCausalLM then loads that model (base, memory, LoRA) and its adapter into the same LoRA
+    layers, under the same name: the LoRA counts once, the logits are the model's (PEFT warns of a second
+    peft_config). PEFT's loader reaches the real Hub for a repository id, so a folder stands in for it here."""
     model = lora_model(tiny_qwen3_dir)
     perturb(model)
     ids = torch.randint(1, 200, (1, 40))
     model.save_pretrained(tmp_path / "saved")
-    _edit_config(tmp_path / "saved", base_model_name_or_path=str(tmp_path / "saved"))
     with pytest.warns(UserWarning, match="multiple adapters"):
         loaded = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "saved")
     assert type(loaded.base_model.model) is TitansQwenForCausalLM and list(loaded.peft_config) == ["default"]

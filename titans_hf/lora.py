@@ -10,7 +10,8 @@ Its folder (`save_pretrained`, `push_to_hub`, every `TitansTrainer` checkpoint) 
 - PEFT's adapter: `adapter_config.json` (a `LoraConfig`, its `target_modules` the full names of the adapted modules)
   and `adapter_model.safetensors` under PEFT's keys (`base_model.model.<module>.lora_A.weight`). The base keeps its
   keys inside a TitansQwen, so `PeftModel.from_pretrained(<the plain base>, folder)` puts the same LoRA on the base
-  alone.
+  alone. Its `base_model_name_or_path` names the folder itself (pushed: the repository), the base plus the memory,
+  so that PEFT's `AutoPeftModelForCausalLM.from_pretrained(folder)` loads the whole model, the LoRA counted once.
 
 `TitansQwenForCausalLM.from_pretrained(folder)` (and `AutoModelForCausalLM`, `from_base_and_memory`) loads the base the
 memory names, the memory, then the adapter (`load_lora`), memory and LoRA trainable as they were saved.
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -223,13 +225,20 @@ def is_lora_parameter(name: str) -> bool:
     return _file_key(name) is not None
 
 
-def adapter_files(model: nn.Module, state_dict: dict[str, Tensor] | None = None) -> tuple[dict[str, Any],
-                                                                                        dict[str, Tensor]]:
+def adapter_files(model: nn.Module, state_dict: dict[str, Tensor] | None = None, *,
+                  folder: str | os.PathLike | None = None) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """(adapter_config.json as a dict, adapter_model.safetensors' tensors under PEFT's keys) of a model with a LoRA
-    adapter; the weights from `state_dict` (named as the model's parameters) when given, else from the model."""
+    adapter; the weights from `state_dict` (named as the model's parameters) when given, else from the model.
+
+    With `folder`, the folder the files go to, the config names that folder (absolute) as the model the adapter goes
+    on: the base plus the memory beside it, which is what PEFT's `AutoPeftModelForCausalLM` then loads (through
+    `AutoModelForCausalLM`) before putting the adapter on it; naming the bare base, it would drop the memory. A push
+    names the repository the same way (`titans_hf.hub`)."""
     config = model.peft_config[ADAPTER_NAME]
     values = _json_ready(config.to_dict())
     values["inference_mode"] = False
+    if folder is not None:
+        values.update(base_model_name_or_path=str(Path(folder).resolve()), revision=None)
     if state_dict is None:
         state_dict = get_peft_model_state_dict(model, adapter_name=ADAPTER_NAME)
         tensors = {PEFT_KEY_PREFIX + name: tensor for name, tensor in state_dict.items()}

@@ -17,6 +17,7 @@ alone (see `titans_hf.hub`).
 """
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -270,7 +271,8 @@ class TitansBackbone(nn.Module):
         with context:
             # the class's forward: this view is called from inside the model's own (possibly patched) forward
             outputs = type(titans).forward(titans, input_ids=input_ids, attention_mask=attention_mask,
-                                           inputs_embeds=inputs_embeds, return_last_hidden_state=True)
+                                           inputs_embeds=inputs_embeds, return_last_hidden_state=True,
+                                           output_attentions=kwargs.get("output_attentions"))
         return BaseModelOutputWithPast(last_hidden_state=outputs.last_hidden_state)
 
 
@@ -548,7 +550,8 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *args: Any,
                         **kwargs: Any) -> "TitansQwenForCausalLM":
         """A memory folder or Hub repository (its `memory_config.json` names the base, which is loaded first; see
-        `from_base_and_memory` for the keyword arguments), or a full model saved with `save_full_model=True`.
+        `from_base_and_memory` for the keyword arguments), or a full model saved with `save_full_model=True`, whose
+        tensors must all be finite once loaded (a ValueError names the file and the tensor), as a memory's are.
 
         `AutoModelForCausalLM.from_pretrained` and `pipeline` arrive here through the folder's `config.json`; what
         they add (the config they read from it, their own markers, `trust_remote_code`) does not reach the base,
@@ -564,18 +567,25 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
             return cls.from_base_and_memory(None, pretrained_model_name_or_path, **kwargs)
         check_safetensors_folder(pretrained_model_name_or_path, "from_pretrained: the model folder")
         folder = Path(pretrained_model_name_or_path)
+        files: dict[str, Path] = {}  # tensor name: the file of the folder that holds it
         if folder.is_dir() and any(folder.glob("*.safetensors")):
             # a full model folder: its memory's shapes against its config before anything is built (a config that
             # declares a huge memory is named here, not in the loader's size-mismatch report)
             config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+            headers = {path: read_safetensors_header(path) for path in sorted(folder.glob("*.safetensors"))}
+            files = {name: path for path, header in headers.items() for name in header}
             if isinstance(config, TitansQwenConfig):
-                header = {name: entry for path in sorted(folder.glob("*.safetensors"))
-                          for name, entry in read_safetensors_header(path).items()
+                header = {name: entry for header in headers.values() for name, entry in header.items()
                           if not name.startswith(BASE_PREFIXES)}
                 cls.check_memory_weights(config.memory_config, header, str(folder), check_dtype=False)
         # loading swaps in new Parameter objects, which forget the freeze applied in __init__
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         model._apply_freeze_base()
+        # as a memory folder's weights are (load_memory_state_dict): one pass over the loaded tensors, no file read
+        for name, tensor in model.state_dict().items():
+            if tensor.is_floating_point() and tensor.device.type != "meta" and not bool(torch.isfinite(tensor).all()):
+                raise ValueError(f"{files.get(name, pretrained_model_name_or_path)}: {name} holds NaN or infinite "
+                                 "values; the model is broken (a diverged training run), not loaded")
         return model
 
     def memory_state_dict(self) -> dict[str, Tensor]:
@@ -646,12 +656,13 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
 
     def save_memory(self, save_directory: str | os.PathLike) -> Path:
         """The memory alone, whatever `freeze_base` says, and beside it the LoRA adapter of the base if the model
-        holds one (`titans_hf.lora`: PEFT's adapter_config.json and adapter_model.safetensors)."""
+        holds one (`titans_hf.lora`: PEFT's adapter_config.json, naming this folder as the model it goes on, and
+        adapter_model.safetensors)."""
         adapter = None
         if getattr(self, "peft_config", None):
             from titans_hf.lora import adapter_files
 
-            adapter = adapter_files(self)
+            adapter = adapter_files(self, folder=save_directory)
         return save_memory_folder(save_directory, self.config.memory_config, self.memory_state_dict(),
                                   model_config=self.memory_folder_config(), adapter=adapter)
 
@@ -664,6 +675,28 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         values.pop("_name_or_path", None)
         values["text_config"].pop("_name_or_path", None)
         return values
+
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True) -> nn.Embedding:
+        """`PreTrainedModel.resize_token_embeddings` for a base that trains (freeze_base=False): the new rows train
+        with it and the whole model saves, its memory config's `base_shape` recording the new vocabulary so that
+        the folder loads back. With a frozen base a change of size is refused here: the base stays as loaded and a
+        memory folder holds the memory alone, so new rows could neither train nor be saved, and the folder would
+        load on the base's vocabulary."""
+        rows = self.get_input_embeddings().weight.shape[0]
+        target = rows if new_num_tokens is None else new_num_tokens
+        if pad_to_multiple_of:
+            target = math.ceil(target / pad_to_multiple_of) * pad_to_multiple_of
+        memory = self.config.memory_config
+        if memory.freeze_base and target != rows:
+            raise ValueError(f"resize_token_embeddings: {rows} -> {target} tokens, but the base is frozen "
+                             "(freeze_base=True) and a memory folder holds the memory alone, so the changed rows could "
+                             "neither train nor be saved; resize the base and save it as a new base before from_base, "
+                             "or build the model with freeze_base=False to train and save the whole model")
+        embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+        self.config.memory_config = dataclasses.replace(memory, base_shape={
+            **memory.base_shape, "vocab_size": self.config.text_config.vocab_size})
+        return embeddings
 
     def push_to_hub(self, repo_id: str, *args: Any, push_full_model: bool = False, token: str | None = None,
                     private: bool | None = None, commit_message: str | None = None, results: dict | None = None,
@@ -1144,7 +1177,8 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         `output_hidden_states` returns the embeddings and every layer's output over the whole input (the chunks'
         concatenated, the memory's contribution included; the last one normed), as a Qwen model does;
         `return_last_hidden_state` only that last one (`last_hidden_state`), what `base_model` returns, without
-        keeping every layer's.
+        keeping every layer's. `output_attentions=True` (or the config's) is refused: the chunks' attention is no
+        map over the input.
         `memory_states` (one `MemoryState` per memory layer, for the batch's rows, e.g. another stream's end,
         detached) start the stream instead of fresh states; the output's `memory_states` then holds the states the
         stream ends in. Not with a `cache` (which holds its own) or rows left-padded off the chunk cycle.
@@ -1160,6 +1194,11 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         every completion scored from the memory state it leaves (see `completion_log_probs`). This is how the DPO
         and GRPO losses of dpo / grpo rows call the model, so that a DDP or FSDP wrapper sees the call.
         """
+        output_attentions = kwargs.get("output_attentions")
+        if output_attentions if output_attentions is not None else self.config.output_attentions:
+            raise ValueError("forward: output_attentions=True: TitansQwenForCausalLM attends chunk by chunk (each "
+                             "chunk over itself, the previous chunk and the memory's prefix tokens; the memory carries "
+                             "the rest), so it has no attention map over the input to return")
         if self.training and torch.is_grad_enabled() and self._memory_enabled and not self._warned_frozen_memory:
             self._warn_if_memory_frozen()
         if completion_ids is not None:

@@ -628,7 +628,7 @@ class TitansTrainer(CompiledChunks, Trainer):
         if getattr(model, "peft_config", None):  # a LoRA of the base trained with the memory: PEFT's files beside it
             from titans_hf.lora import adapter_files, is_lora_parameter
 
-            adapter = adapter_files(model, state_dict)
+            adapter = adapter_files(model, state_dict, folder=output_dir)
             state_dict = {name: tensor for name, tensor in state_dict.items() if not is_lora_parameter(name)}
         memory = {name: tensor for name, tensor in state_dict.items() if name in memory_names}
         base = {name: tensor for name, tensor in state_dict.items() if name not in memory_names}
