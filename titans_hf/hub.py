@@ -268,10 +268,16 @@ def read_memory_config(path: str | os.PathLike) -> TitansMemoryConfig:
 # ---- local bases ----
 
 def check_safetensors_folder(folder: str | os.PathLike, what: str) -> None:
-    """Refuse a local model folder whose weights are pickle files only (pytorch_model.bin, *.pt, ...): titans_hf
-    reads weights from safetensors alone, and says so naming the folder instead of the loader's own error."""
+    """Refuse a local model folder that titans_hf cannot load, naming the folder or file instead of the loader's own
+    error: weights as pickle files only (pytorch_model.bin, *.pt, ...), which titans_hf never loads; a safetensors
+    file whose header is unreadable or does not fit the file (`read_safetensors_header`)."""
     folder = Path(folder)
-    if not folder.is_dir() or any(folder.glob("*.safetensors")):
+    if not folder.is_dir():
+        return
+    weights = sorted(folder.glob("*.safetensors"))
+    for path in weights:
+        read_safetensors_header(path)
+    if weights:
         return
     pickled = sorted(path.name for path in folder.iterdir() if path.suffix in PICKLE_WEIGHT_SUFFIXES)
     if pickled:
@@ -317,21 +323,48 @@ def _folder_fingerprint(folder: Path, file_blocks: Callable[[Path, Any, int], It
 
 
 def _safetensors_header(handle: Any, size: int, path: Path) -> dict[str, Any]:
-    """A safetensors file's header (tensor name: dtype, shape, data_offsets), its length checked against the file;
-    `handle` is left at the start of the data."""
+    """A safetensors file's header (tensor name: dtype, shape, data_offsets), checked against the file: its length,
+    each tensor's shape and byte range, and the ranges tiling the data exactly, as safetensors requires (two tensors
+    sharing bytes would alias one another's values); `handle` is left at the start of the data."""
     length = int.from_bytes(handle.read(8), "little")
     if not 0 < length <= min(size - 8, _MAX_SAFETENSORS_HEADER_BYTES):
-        raise ValueError(f"{path}: not a safetensors file (its header claims {length} bytes of a {size}-byte file)")
+        raise ValueError(f"{path}: not a readable safetensors file (its header claims {length} bytes of a "
+                         f"{size}-byte file)")
+    data_size = size - 8 - length
     try:
         header = json.loads(handle.read(length))
+        if not isinstance(header, dict):
+            raise ValueError(f"a JSON {type(header).__name__}, not an object")
+        ranges = []
         for name, entry in header.items():
-            if name != "__metadata__":
-                begin, end = (int(offset) for offset in entry["data_offsets"])
-                if not 0 <= begin <= end <= size - 8 - length:
-                    raise ValueError(f"tensor {name!r} lies outside the file")
+            if name == "__metadata__":
+                continue
+            shape, offsets = entry["shape"], entry["data_offsets"]
+            if not isinstance(entry["dtype"], str) or not isinstance(shape, list) or not all(
+                    _is_count(dim) for dim in shape):
+                raise ValueError(f"tensor {name!r} has dtype {entry['dtype']!r} and shape {shape!r}")
+            if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(offset) for offset in offsets)
+                    and offsets[0] <= offsets[1] <= data_size):
+                raise ValueError(f"tensor {name!r} lies outside the file (data_offsets {offsets!r}, {data_size} "
+                                 "bytes of data)")
+            ranges.append((*offsets, name))
+        end, previous = 0, None
+        for begin, stop, name in sorted(ranges):
+            if begin < end:
+                raise ValueError(f"tensors {previous!r} and {name!r} share bytes [{begin}, {min(stop, end)}) of the "
+                                 "data")
+            if begin > end:
+                raise ValueError(f"bytes [{end}, {begin}) of the data belong to no tensor")
+            end, previous = stop, name
+        if end != data_size:
+            raise ValueError(f"bytes [{end}, {data_size}) of the data belong to no tensor")
     except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError) as error:
         raise ValueError(f"{path}: not a readable safetensors header ({error})") from error
     return header
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _legacy_base_fingerprint(folder: Path) -> str:
@@ -525,7 +558,9 @@ def save_memory_folder(save_directory: str | os.PathLike, config: TitansMemoryCo
 
 
 def load_memory_weights(path: str | os.PathLike) -> dict[str, Any]:
-    """The tensors of a safetensors file on the CPU; an unreadable file is a ValueError naming it."""
+    """The tensors of a safetensors file on the CPU, its header checked first (`read_safetensors_header`); an
+    unreadable file is a ValueError naming it."""
+    read_safetensors_header(path)
     try:
         return load_file(str(path), device="cpu")
     except (SafetensorError, OSError, ValueError) as error:
@@ -533,11 +568,18 @@ def load_memory_weights(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def read_safetensors_header(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], Any]]:
-    """{name: (shape, torch dtype)} of a safetensors file, from its header alone (no tensor data is read)."""
+    """{name: (shape, torch dtype)} of a safetensors file, from its header alone (no tensor data is read). The
+    header is checked against the file here, whatever the installed safetensors checks: its length, every tensor's
+    byte range inside the data, and no two tensors sharing bytes; any problem is a ValueError naming the file."""
+    try:
+        with open(path, "rb") as handle:
+            _safetensors_header(handle, os.fstat(handle.fileno()).st_size, Path(path))
+    except OSError as error:
+        raise ValueError(f"{path}: not a readable safetensors file ({error})") from error
     try:
         with safe_open(str(path), framework="pt") as weights:
-            return {name: (tuple(weights.get_slice(name).get_shape()), _TORCH_DTYPES[weights.get_slice(name).get_dtype()])
-                    for name in weights.keys()}
+            return {name: (tuple(weights.get_slice(name).get_shape()),
+                           _TORCH_DTYPES[weights.get_slice(name).get_dtype()]) for name in weights.keys()}
     except (SafetensorError, OSError, ValueError, KeyError) as error:
         raise ValueError(f"{path}: not a readable safetensors file ({error})") from error
 
