@@ -1,6 +1,6 @@
 """Hostile memory folders and Hub repositories: nothing in them runs code, picks load options or paths, or gets a
 full base (or anything else that is not the memory its config describes) uploaded; a safetensors header that does
-not fit its file is refused in one line naming the file."""
+not fit its file, or a memory folder missing its config, is refused in one line naming the file."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 from test_hub import MEMORY_CONFIG, REPO_ID, _snapshot, hub, hub_token, memory_folder, memory_model  # noqa: F401
 
+from titans_hf.evaluation import load_model_for_eval
 from titans_hf.hub import base_fingerprint, load_memory_weights, push_memory_folder
 from titans_hf.modeling import TitansQwenForCausalLM
 
@@ -233,3 +234,18 @@ def test_a_base_whose_safetensors_header_is_bad_is_refused_naming_the_file(tiny_
         TitansQwenForCausalLM.from_base_and_memory(base, memory)
     assert _snapshot(base) == before
 
+
+def test_a_memory_folder_without_its_memory_config_is_refused_naming_it(tiny_qwen3_dir, tmp_path):
+    """Its config.json alone sends the Auto classes and the model class to the full-model loader, which would look
+    for model.safetensors; the missing file is named instead."""
+    from transformers import AutoModelForCausalLM
+
+    folder = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, chunk_size=16, memory_head_dim=16).save_memory(
+        tmp_path / "memory")
+    (folder / "memory_config.json").unlink()
+    before = _snapshot(folder)
+    message = rf"^{folder}/memory_config\.json: not found, though {folder} holds a memory's weights"
+    for load in (TitansQwenForCausalLM.from_pretrained, AutoModelForCausalLM.from_pretrained, load_model_for_eval):
+        with pytest.raises(FileNotFoundError, match=message):
+            load(str(folder))
+    assert _snapshot(folder) == before

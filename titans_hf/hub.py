@@ -270,10 +270,15 @@ def read_memory_config(path: str | os.PathLike) -> TitansMemoryConfig:
 def check_safetensors_folder(folder: str | os.PathLike, what: str) -> None:
     """Refuse a local model folder that titans_hf cannot load, naming the folder or file instead of the loader's own
     error: weights as pickle files only (pytorch_model.bin, *.pt, ...), which titans_hf never loads; a safetensors
-    file whose header is unreadable or does not fit the file (`read_safetensors_header`)."""
+    file whose header is unreadable or does not fit the file (`read_safetensors_header`); a memory's weights
+    without the memory_config.json that describes them."""
     folder = Path(folder)
     if not folder.is_dir():
         return
+    if (folder / MEMORY_WEIGHTS_NAME).is_file() and not (folder / MEMORY_CONFIG_NAME).is_file():
+        raise FileNotFoundError(f"{folder / MEMORY_CONFIG_NAME}: not found, though {folder} holds a memory's weights "
+                                f"({MEMORY_WEIGHTS_NAME}); a memory folder holds both, written by save_pretrained / "
+                                "save_memory")
     weights = sorted(folder.glob("*.safetensors"))
     for path in weights:
         read_safetensors_header(path)
