@@ -1,9 +1,10 @@
-"""Hostile input, the fingerprints: what tells a base apart from another of the same shape.
+"""Hostile input, the fingerprints: what tells a base or a tokenizer apart from another of the same shape.
 
 A local base is recorded by a fingerprint of every byte of its weights, its config and its tokenizer files, so a
 base with another tokenizer of the same size, or with a few edited embedding rows, is not the base a memory was
 trained on; a memory that recorded an earlier, sampled fingerprint still loads, with a warning that says what it
-covers, and is re-recorded in full when saved again.
+covers, and is re-recorded in full when saved again. A token store that records no tokenizer fingerprint is refused
+as one that records another is.
 
 Each test checksums what it hands in and checks it is unchanged afterwards.
 """
@@ -20,6 +21,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
+from titans_hf.data.prepare import prepare
+from titans_hf.data.tokens_builder import check_stores_tokenizer
 from titans_hf.hub import _legacy_base_fingerprint, _sampled_base_fingerprint, base_fingerprint
 from titans_hf.local_models import build_tokenizer
 from titans_hf.modeling import TitansQwenForCausalLM
@@ -135,3 +138,28 @@ def test_another_base_of_the_same_shape_is_refused_under_a_sampled_fingerprint_t
         TitansQwenForCausalLM.from_pretrained(memory)
     assert checksums(memory, local_base) == before
 
+
+# ---- token stores ----
+
+@pytest.fixture
+def prepared_store(tmp_path, tiny_tokenizer_dir) -> Path:
+    source = tmp_path / "docs.txt"
+    source.write_text("John went to the garden. Mary went to the office.\n" * 8)
+    [store] = prepare(source, tmp_path / "corpus_bin", tiny_tokenizer_dir)
+    return store
+
+
+@pytest.mark.parametrize("dropped", [("tokenizer_fingerprint",), ("vocab_size", "tokenizer_fingerprint")])
+def test_a_store_that_records_no_tokenizer_fingerprint_is_refused(prepared_store, tiny_tokenizer_dir, dropped):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    meta_path = prepared_store / "meta.json"
+    check_stores_tokenizer([meta_path], tokenizer, "the model's tokenizer")  # as prepare wrote it: both recorded
+    meta = json.loads(meta_path.read_text())
+    assert meta["vocab_size"] == len(tokenizer) and len(meta["tokenizer_fingerprint"]) == 64
+    meta_path.write_text(json.dumps({key: value for key, value in meta.items() if key not in dropped}))
+    before = checksums(prepared_store)
+    with pytest.raises(ValueError, match=rf"^{prepared_store}: records no tokenizer_fingerprint, so nothing shows "
+                                         r"that its ids were made by the model's tokenizer \(.*\); prepare the store "
+                                         r"again with this tokenizer"):
+        check_stores_tokenizer([meta_path], tokenizer, "the model's tokenizer")
+    assert checksums(prepared_store) == before
