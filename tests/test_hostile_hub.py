@@ -1,10 +1,13 @@
 """Hostile memory folders and Hub repositories: nothing in them runs code, picks load options or paths, or gets a
-full base (or anything else that is not the memory its config describes) uploaded."""
+full base (or anything else that is not the memory its config describes) uploaded; a safetensors header that does
+not fit its file, or a memory folder missing its config, is refused in one line naming the file."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +17,8 @@ import torch
 from safetensors.torch import save_file
 from test_hub import MEMORY_CONFIG, REPO_ID, _snapshot, hub, hub_token, memory_folder, memory_model  # noqa: F401
 
-from titans_hf.hub import base_fingerprint, push_memory_folder
+from titans_hf.evaluation import load_model_for_eval
+from titans_hf.hub import base_fingerprint, load_memory_weights, push_memory_folder
 from titans_hf.modeling import TitansQwenForCausalLM
 
 REMOTE_CODE = '''
@@ -146,3 +150,102 @@ def test_a_memory_from_the_hub_never_picks_a_local_base(hub, hub_token, tiny_qwe
     # named explicitly, the same local base is the user's choice
     loaded = TitansQwenForCausalLM.from_base_and_memory(tiny_qwen3_dir, REPO_ID)
     assert all(torch.equal(loaded.memory_state_dict()[n], t) for n, t in model.memory_state_dict().items())
+
+
+def _read_safetensors(path: Path) -> tuple[dict, bytes]:
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8:8 + length]), raw[8 + length:]
+
+
+def _write_safetensors(path: Path, header: dict, data: bytes) -> None:
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+def _share_bytes(path: Path) -> tuple[str, str]:
+    """Rewrite a safetensors file so that two tensors of one size lie on the same bytes (the second one's own bytes
+    dropped, the ranges still tiling the data); returns their names."""
+    header, data = _read_safetensors(path)
+    names = sorted((name for name in header if name != "__metadata__"), key=lambda n: header[n]["data_offsets"])
+    size = {name: header[name]["data_offsets"][1] - header[name]["data_offsets"][0] for name in names}
+    first, second = next((a, b) for i, a in enumerate(names) for b in names[i + 1:] if size[a] == size[b] > 0)
+    kept, position = bytearray(), 0
+    for name in names:
+        if name == second:
+            continue
+        begin, end = header[name]["data_offsets"]
+        kept += data[begin:end]
+        header[name] = {**header[name], "data_offsets": [position, position + size[name]]}
+        position += size[name]
+    header[second] = {**header[second], "data_offsets": header[first]["data_offsets"]}
+    _write_safetensors(path, header, bytes(kept))
+    return first, second
+
+
+def test_memory_weights_whose_tensors_share_bytes_are_refused_naming_the_file(
+        hub, hub_token, tiny_qwen3_dir, tmp_path):  # noqa: F811
+    """Two tensors on one byte range would alias each other's values; every reader of a memory's weights (load,
+    push, resume) refuses them, whatever the installed safetensors checks."""
+    model = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, chunk_size=16, memory_head_dim=16)
+    folder = model.save_memory(tmp_path / "memory")
+    weights = folder / "memory_model.safetensors"
+    first, second = _share_bytes(weights)
+    before = _snapshot(folder)
+    message = (rf"^{weights}: not a readable safetensors header \(tensors '{first}' and '{second}' share bytes "
+               r"\[\d+, \d+\) of the data\)$")
+    with pytest.raises(ValueError, match=message):
+        TitansQwenForCausalLM.from_pretrained(folder)
+    with pytest.raises(ValueError, match=message):
+        load_memory_weights(weights)
+    with pytest.raises(ValueError, match=message):
+        push(folder, hub, hub_token)
+    assert hub.requests == []
+    assert _snapshot(folder) == before
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("truncated", r"not a readable safetensors header \(tensor '.*' lies outside the file"),
+    ("not json", r"not a readable safetensors header \(Expecting property name"),
+    ("shared bytes", r"not a readable safetensors header \(tensors '.*' and '.*' share bytes"),
+    ("huge header", r"not a readable safetensors file \(its header claims 18446744073709551615 bytes"),
+])
+def test_a_base_whose_safetensors_header_is_bad_is_refused_naming_the_file(tiny_qwen3_dir, tmp_path, damage, message):
+    memory = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, chunk_size=16, memory_head_dim=16).save_memory(
+        tmp_path / "memory")
+    base = tmp_path / "base"
+    shutil.copytree(tiny_qwen3_dir, base)
+    weights = base / "model.safetensors"
+    raw = weights.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    if damage == "truncated":
+        weights.write_bytes(raw[:len(raw) // 2])
+    elif damage == "not json":
+        weights.write_bytes(raw[:8] + b"{" * length + raw[8 + length:])
+    elif damage == "shared bytes":
+        _share_bytes(weights)
+    else:
+        weights.write_bytes(b"\xff" * 8 + raw[8:])
+    before = _snapshot(base)
+    with pytest.raises(ValueError, match=rf"^{weights}: {message}"):
+        TitansQwenForCausalLM.from_base(base, chunk_size=16, memory_head_dim=16)
+    with pytest.raises(ValueError, match=rf"^{weights}: {message}"):
+        TitansQwenForCausalLM.from_base_and_memory(base, memory)
+    assert _snapshot(base) == before
+
+
+def test_a_memory_folder_without_its_memory_config_is_refused_naming_it(tiny_qwen3_dir, tmp_path):
+    """Its config.json alone sends the Auto classes and the model class to the full-model loader, which would look
+    for model.safetensors; the missing file is named instead."""
+    from transformers import AutoModelForCausalLM
+
+    folder = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, chunk_size=16, memory_head_dim=16).save_memory(
+        tmp_path / "memory")
+    (folder / "memory_config.json").unlink()
+    before = _snapshot(folder)
+    message = rf"^{folder}/memory_config\.json: not found, though {folder} holds a memory's weights"
+    for load in (TitansQwenForCausalLM.from_pretrained, AutoModelForCausalLM.from_pretrained, load_model_for_eval):
+        with pytest.raises(FileNotFoundError, match=message):
+            load(str(folder))
+    assert _snapshot(folder) == before

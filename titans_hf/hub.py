@@ -3,9 +3,10 @@
 A memory folder (or Hub repository) holds exactly
 
 - `memory_config.json`: a :class:`TitansMemoryConfig`, every memory setting plus the base model it belongs to
-  (Hub id and revision, or a local folder's absolute path and `base_fingerprint`; its shape) and the titans_hf
-  version that wrote it. A local base loads from that folder only while the fingerprint still matches, so a
-  memory never runs on another model of the same shape without a word (`recorded_base`);
+  (Hub id and revision, or a local folder's absolute path and `base_fingerprint`, a hash of every byte of its
+  weights, config and tokenizer; its shape) and the titans_hf version that wrote it. A local base loads from that
+  folder only while the fingerprint still matches, so a memory never runs on another model of the same shape
+  without a word (`recorded_base`);
 - `memory_model.safetensors`: the memory's weights, nothing of the base;
 - `config.json`: the model's config (`model_type: titans_qwen`, the base's config and the memory settings), so that
   `AutoConfig` and `AutoModelForCausalLM` / `pipeline` dispatch to the model class, which then loads as above
@@ -79,9 +80,15 @@ BASE_SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size
 _REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,254}")
 # Weights titans_hf never loads (pickle can run code): a folder holding only these is refused, naming it.
 PICKLE_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-# What of each tensor goes into a base's fingerprint besides its name, dtype and shape: blocks at the start, middle and
-# end of its bytes. The fingerprint of titans_hf <= 0.3 (blocks spread over each file) is still accepted at load.
-_FINGERPRINT_TENSOR_BLOCK_BYTES = 1 << 12
+# A base's fingerprint hashes these files whole, besides config.json and the safetensors files: what makes its token
+# ids mean what they mean.
+TOKENIZER_FILE_NAMES = ("added_tokens.json", "merges.txt", "special_tokens_map.json", "tokenizer.json",
+                        "tokenizer.model", "tokenizer_config.json", "vocab.json")
+_FINGERPRINT_READ_BYTES = 8 << 20
+# The sampled fingerprints earlier releases recorded, still accepted at load with a warning (`recorded_base`): per
+# tensor its name, dtype, shape and blocks at the start, middle and end of its bytes; before that, blocks spread over
+# each file.
+_SAMPLED_FINGERPRINT_TENSOR_BLOCK_BYTES = 1 << 12
 _LEGACY_FINGERPRINT_BLOCKS, _LEGACY_FINGERPRINT_BLOCK_BYTES = 16, 1 << 16
 # safetensors' own limit on a header's size
 _MAX_SAFETENSORS_HEADER_BYTES = 100_000_000
@@ -287,10 +294,21 @@ def read_memory_config(path: str | os.PathLike) -> TitansMemoryConfig:
 # ---- local bases ----
 
 def check_safetensors_folder(folder: str | os.PathLike, what: str) -> None:
-    """Refuse a local model folder whose weights are pickle files only (pytorch_model.bin, *.pt, ...): titans_hf
-    reads weights from safetensors alone, and says so naming the folder instead of the loader's own error."""
+    """Refuse a local model folder that titans_hf cannot load, naming the folder or file instead of the loader's own
+    error: weights as pickle files only (pytorch_model.bin, *.pt, ...), which titans_hf never loads; a safetensors
+    file whose header is unreadable or does not fit the file (`read_safetensors_header`); a memory's weights
+    without the memory_config.json that describes them."""
     folder = Path(folder)
-    if not folder.is_dir() or any(folder.glob("*.safetensors")):
+    if not folder.is_dir():
+        return
+    if (folder / MEMORY_WEIGHTS_NAME).is_file() and not (folder / MEMORY_CONFIG_NAME).is_file():
+        raise FileNotFoundError(f"{folder / MEMORY_CONFIG_NAME}: not found, though {folder} holds a memory's weights "
+                                f"({MEMORY_WEIGHTS_NAME}); a memory folder holds both, written by save_pretrained / "
+                                "save_memory")
+    weights = sorted(folder.glob("*.safetensors"))
+    for path in weights:
+        read_safetensors_header(path)
+    if weights:
         return
     pickled = sorted(path.name for path in folder.iterdir() if path.suffix in PICKLE_WEIGHT_SUFFIXES)
     if pickled:
@@ -299,30 +317,53 @@ def check_safetensors_folder(folder: str | os.PathLike, what: str) -> None:
 
 
 def base_fingerprint(folder: str | os.PathLike) -> str:
-    """sha256 that tells two local base folders apart: their config.json, and for every tensor of every safetensors
-    file its name, dtype, shape and three blocks of 4 KiB of its bytes (start, middle, end). A model fine-tuned in
-    a single layer differs there; reading a few MB instead of hashing a 15 GB base in full keeps loading fast.
-    Recorded at `from_base`, compared at load (`base_matches_fingerprint`)."""
+    """sha256 that tells two local base folders apart: every byte of its config.json, of the tokenizer files it has
+    (`TOKENIZER_FILE_NAMES`) and of its safetensors files, in that order (the safetensors files by name), each file
+    framed by its name and size, so that bytes moved from one file to the next, or a renamed file, change it too.
+    A base given another tokenizer of the same size, or fine-tuned in a few rows of one tensor, differs.
+    Recorded at `from_base`, compared at load (`recorded_base`, `base_matches_fingerprint`).
+
+    Hashing every byte costs what sha256 costs, once per recording or load: on a 0.5B-size folder (995 MB: bf16
+    weights and a 7 MB tokenizer.json) in the page cache, 1.5 s (650 MB/s, the speed of sha256 on that 2-core
+    machine) against 10 ms for the sampled fingerprint it replaces (scripts/bench_fingerprint.py); loading the base
+    reads the same bytes."""
+    folder = Path(folder)
+    paths = [folder / name for name in ("config.json", *TOKENIZER_FILE_NAMES) if (folder / name).is_file()]
+    paths += sorted(folder.glob("*.safetensors"))
+    digest = hashlib.sha256()
+    view = memoryview(bytearray(_FINGERPRINT_READ_BYTES))
+    for path in paths:
+        with open(path, "rb") as handle:
+            digest.update(json.dumps([path.name, os.fstat(handle.fileno()).st_size]).encode())
+            while count := handle.readinto(view):
+                digest.update(view[:count])
+    return digest.hexdigest()
+
+
+def _sampled_base_fingerprint(folder: Path) -> str:
+    """The fingerprint titans_hf recorded before `base_fingerprint` read every byte: config.json, and for every
+    tensor of every safetensors file its name, dtype, shape and three blocks of 4 KiB of its bytes (start, middle,
+    end)."""
 
     def tensor_blocks(path: Path, handle: Any, size: int) -> Iterator[bytes]:
         header = _safetensors_header(handle, size, path)
         data_start = handle.tell()
         for name in sorted(name for name in header if name != "__metadata__"):
             entry = header[name]
-            begin, end = (int(offset) for offset in entry["data_offsets"])
+            begin, end = entry["data_offsets"]
             yield json.dumps([name, entry["dtype"], entry["shape"], end - begin]).encode()
-            block = _FINGERPRINT_TENSOR_BLOCK_BYTES
+            block = _SAMPLED_FINGERPRINT_TENSOR_BLOCK_BYTES
             middle = max(begin, (begin + end) // 2 - block // 2)
             for offset in dict.fromkeys((begin, middle, max(begin, end - block))):
                 handle.seek(data_start + offset)
                 yield handle.read(min(block, end - offset))
 
-    return _folder_fingerprint(Path(folder), tensor_blocks)
+    return _folder_fingerprint(folder, tensor_blocks)
 
 
 def _folder_fingerprint(folder: Path, file_blocks: Callable[[Path, Any, int], Iterator[bytes]]) -> str:
     """sha256 of a folder's config.json, then for each safetensors file (by name) its name and size and the
-    blocks `file_blocks(path, open handle, size)` reads from it."""
+    blocks `file_blocks(path, open handle, size)` reads from it: the sampled fingerprints of earlier releases."""
     digest = hashlib.sha256()
     config = folder / "config.json"
     digest.update(config.read_bytes() if config.is_file() else b"")
@@ -336,21 +377,48 @@ def _folder_fingerprint(folder: Path, file_blocks: Callable[[Path, Any, int], It
 
 
 def _safetensors_header(handle: Any, size: int, path: Path) -> dict[str, Any]:
-    """A safetensors file's header (tensor name: dtype, shape, data_offsets), its length checked against the file;
-    `handle` is left at the start of the data."""
+    """A safetensors file's header (tensor name: dtype, shape, data_offsets), checked against the file: its length,
+    each tensor's shape and byte range, and the ranges tiling the data exactly, as safetensors requires (two tensors
+    sharing bytes would alias one another's values); `handle` is left at the start of the data."""
     length = int.from_bytes(handle.read(8), "little")
     if not 0 < length <= min(size - 8, _MAX_SAFETENSORS_HEADER_BYTES):
-        raise ValueError(f"{path}: not a safetensors file (its header claims {length} bytes of a {size}-byte file)")
+        raise ValueError(f"{path}: not a readable safetensors file (its header claims {length} bytes of a "
+                         f"{size}-byte file)")
+    data_size = size - 8 - length
     try:
         header = json.loads(handle.read(length))
+        if not isinstance(header, dict):
+            raise ValueError(f"a JSON {type(header).__name__}, not an object")
+        ranges = []
         for name, entry in header.items():
-            if name != "__metadata__":
-                begin, end = (int(offset) for offset in entry["data_offsets"])
-                if not 0 <= begin <= end <= size - 8 - length:
-                    raise ValueError(f"tensor {name!r} lies outside the file")
+            if name == "__metadata__":
+                continue
+            shape, offsets = entry["shape"], entry["data_offsets"]
+            if not isinstance(entry["dtype"], str) or not isinstance(shape, list) or not all(
+                    _is_count(dim) for dim in shape):
+                raise ValueError(f"tensor {name!r} has dtype {entry['dtype']!r} and shape {shape!r}")
+            if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(offset) for offset in offsets)
+                    and offsets[0] <= offsets[1] <= data_size):
+                raise ValueError(f"tensor {name!r} lies outside the file (data_offsets {offsets!r}, {data_size} "
+                                 "bytes of data)")
+            ranges.append((*offsets, name))
+        end, previous = 0, None
+        for begin, stop, name in sorted(ranges):
+            if begin < end:
+                raise ValueError(f"tensors {previous!r} and {name!r} share bytes [{begin}, {min(stop, end)}) of the "
+                                 "data")
+            if begin > end:
+                raise ValueError(f"bytes [{end}, {begin}) of the data belong to no tensor")
+            end, previous = stop, name
+        if end != data_size:
+            raise ValueError(f"bytes [{end}, {data_size}) of the data belong to no tensor")
     except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError) as error:
         raise ValueError(f"{path}: not a readable safetensors header ({error})") from error
     return header
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _legacy_base_fingerprint(folder: Path) -> str:
@@ -367,17 +435,34 @@ def _legacy_base_fingerprint(folder: Path) -> str:
     return _folder_fingerprint(folder, spread_blocks)
 
 
+def _base_fingerprint_match(folder: Path, recorded: str) -> str | None:
+    """The folder's `base_fingerprint` when `recorded` is it, or is the sampled fingerprint an earlier release
+    recorded for this folder; None when the folder holds another model."""
+    current = base_fingerprint(folder)
+    if recorded == current or recorded in (_sampled_base_fingerprint(folder), _legacy_base_fingerprint(folder)):
+        return current
+    return None
+
+
 def base_matches_fingerprint(folder: str | os.PathLike, recorded: str) -> bool:
-    """Whether the base folder is the one whose fingerprint a memory recorded (also by the fingerprint of titans_hf
-    <= 0.3, for memories it saved)."""
-    return recorded in (base_fingerprint(folder), _legacy_base_fingerprint(Path(folder)))
+    """Whether the base folder is the one whose fingerprint a memory recorded (for a memory saved by an earlier
+    release, whose fingerprint sampled the weights: whether the folder matches those samples)."""
+    return _base_fingerprint_match(Path(folder), recorded) is not None
 
 
 def recorded_base(config: TitansMemoryConfig, source: str) -> str:
     """The base a memory's config names, checked to be the same model wherever the memory is loaded from: a local
     base is recorded by its absolute path, and must still be there with the fingerprint recorded (else another
     model would be used silently); a relative path that exists here (recorded by an older version, or a Hub id
-    shadowed by a local folder) is refused, since it resolves to whatever folder lies at it from here."""
+    shadowed by a local folder) is refused, since it resolves to whatever folder lies at it from here.
+
+    A memory saved by an earlier release recorded a sampled fingerprint (blocks of each tensor or file), which a
+    base with another tokenizer, or with rows edited between the samples, still matches. Such a memory loads when
+    the base matches the samples, with a warning that says what they cover, and `config` is given the base's full
+    fingerprint, so the model loaded records it when saved again. That is how transformers and PEFT treat a
+    checkpoint of an older format (load it, warn, write the current format on the next save); refusing would strand
+    every memory trained on a local base by that release, whose base is the one it was trained on unless edited
+    where the samples do not look."""
     base = config.base_model_name_or_path
     if not base:
         raise ValueError(f"{source}: its memory config names no base model; pass the base explicitly")
@@ -391,10 +476,18 @@ def recorded_base(config: TitansMemoryConfig, source: str) -> str:
     if not path.is_dir():
         raise ValueError(f"{source}: its memory config names the local base {base}, which does not exist on this "
                          "machine; pass the base explicitly")
-    if config.base_fingerprint is not None and not base_matches_fingerprint(path, config.base_fingerprint):
-        raise ValueError(f"{source}: its memory config names the local base {base}, but the model there now is not the "
-                         "one the memory was trained on (base_fingerprint differs: other weights or config); pass the "
-                         "base explicitly if this is intended")
+    if config.base_fingerprint is not None:
+        current = _base_fingerprint_match(path, config.base_fingerprint)
+        if current is None:
+            raise ValueError(f"{source}: its memory config names the local base {base}, but the model there now is not "
+                             "the one the memory was trained on (base_fingerprint differs: other weights, config or "
+                             "tokenizer); pass the base explicitly if this is intended")
+        if current != config.base_fingerprint:
+            logger.warning("%s: its memory config records a base_fingerprint of an earlier titans_hf, which covers "
+                           "samples of the base's weights only, not every byte; the base %s matches them and is "
+                           "used. The model loaded records the base's full fingerprint: save the memory again "
+                           "(save_pretrained) to keep it", source, base)
+            config.base_fingerprint = current
     return base
 
 
@@ -544,7 +637,9 @@ def save_memory_folder(save_directory: str | os.PathLike, config: TitansMemoryCo
 
 
 def load_memory_weights(path: str | os.PathLike) -> dict[str, Any]:
-    """The tensors of a safetensors file on the CPU; an unreadable file is a ValueError naming it."""
+    """The tensors of a safetensors file on the CPU, its header checked first (`read_safetensors_header`); an
+    unreadable file is a ValueError naming it."""
+    read_safetensors_header(path)
     try:
         return load_file(str(path), device="cpu")
     except (SafetensorError, OSError, ValueError) as error:
@@ -552,11 +647,18 @@ def load_memory_weights(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def read_safetensors_header(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], Any]]:
-    """{name: (shape, torch dtype)} of a safetensors file, from its header alone (no tensor data is read)."""
+    """{name: (shape, torch dtype)} of a safetensors file, from its header alone (no tensor data is read). The
+    header is checked against the file here, whatever the installed safetensors checks: its length, every tensor's
+    byte range inside the data, and no two tensors sharing bytes; any problem is a ValueError naming the file."""
+    try:
+        with open(path, "rb") as handle:
+            _safetensors_header(handle, os.fstat(handle.fileno()).st_size, Path(path))
+    except OSError as error:
+        raise ValueError(f"{path}: not a readable safetensors file ({error})") from error
     try:
         with safe_open(str(path), framework="pt") as weights:
-            return {name: (tuple(weights.get_slice(name).get_shape()), _TORCH_DTYPES[weights.get_slice(name).get_dtype()])
-                    for name in weights.keys()}
+            return {name: (tuple(weights.get_slice(name).get_shape()),
+                           _TORCH_DTYPES[weights.get_slice(name).get_dtype()]) for name in weights.keys()}
     except (SafetensorError, OSError, ValueError, KeyError) as error:
         raise ValueError(f"{path}: not a readable safetensors file ({error})") from error
 

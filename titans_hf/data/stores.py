@@ -203,14 +203,20 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 def check_store_tokenizer(store: "TokenStore", tokenizer: Any, what: str = "the model's tokenizer") -> None:
     """Refuse a store prepared with another tokenizer than `tokenizer`, naming the store: by the vocabulary size
-    and the fingerprint it records (a store that records neither is not checked)."""
+    and the fingerprint it records. A store that records no fingerprint is refused too (as one that records
+    another is): nothing in it shows which tokenizer its ids belong to, and ids in range of another vocabulary of
+    the same size would train on the wrong tokens without a word. `titans-hf prepare` records both."""
     name = getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
     recorded_size, recorded = store.metadata.get("vocab_size"), store.metadata.get("tokenizer_fingerprint")
     if recorded_size is not None and recorded_size != len(tokenizer):
         raise ValueError(f"{store.path}: prepared with tokenizer {store.metadata.get('tokenizer')!r} of "
                          f"{recorded_size} tokens, but {what} ({name}) has {len(tokenizer)}: the ids would mean other "
                          "tokens; prepare the store again with this tokenizer")
-    if recorded is not None and recorded != tokenizer_fingerprint(tokenizer):
+    if recorded is None:
+        raise ValueError(f"{store.path}: records no tokenizer_fingerprint, so nothing shows that its ids were made by "
+                         f"{what} ({name}); prepare the store again with this tokenizer (titans-hf prepare records "
+                         "its fingerprint)")
+    if recorded != tokenizer_fingerprint(tokenizer):
         raise ValueError(f"{store.path}: prepared with tokenizer {store.metadata.get('tokenizer')!r}, whose "
                          f"vocabulary differs from {what} ({name}) though both have {len(tokenizer)} tokens "
                          "(tokenizer_fingerprint differs): the ids would mean other tokens; prepare the store again "

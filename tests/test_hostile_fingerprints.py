@@ -1,0 +1,165 @@
+"""Hostile input, the fingerprints: what tells a base or a tokenizer apart from another of the same shape.
+
+A local base is recorded by a fingerprint of every byte of its weights, its config and its tokenizer files, so a
+base with another tokenizer of the same size, or with a few edited embedding rows, is not the base a memory was
+trained on; a memory that recorded an earlier, sampled fingerprint still loads, with a warning that says what it
+covers, and is re-recorded in full when saved again. A token store that records no tokenizer fingerprint is refused
+as one that records another is.
+
+Each test checksums what it hands in and checks it is unchanged afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer
+
+from titans_hf.data.prepare import prepare
+from titans_hf.data.tokens_builder import check_stores_tokenizer
+from titans_hf.hub import _legacy_base_fingerprint, _sampled_base_fingerprint, base_fingerprint
+from titans_hf.local_models import build_tokenizer
+from titans_hf.modeling import TitansQwenForCausalLM
+
+
+def checksums(*roots: Path) -> dict[str, str]:
+    files = [file for root in roots for file in ([root] if root.is_file() else sorted(root.rglob("*")))]
+    return {str(file): hashlib.sha256(file.read_bytes()).hexdigest() for file in files if file.is_file()}
+
+
+@pytest.fixture
+def local_base(tiny_qwen3_dir, tmp_path) -> Path:
+    base = tmp_path / "base"
+    shutil.copytree(tiny_qwen3_dir, base)
+    return base
+
+
+def memory_on(base: Path, folder: Path) -> Path:
+    model = TitansQwenForCausalLM.from_base(base, chunk_size=16, memory_head_dim=16, memory_chunk_size=8)
+    model.save_pretrained(folder)
+    return folder
+
+
+def other_tokenizer_of_the_same_size(base: Path, folder: Path) -> None:
+    """Replace the base's tokenizer by one trained on other text, of exactly the base's vocabulary size."""
+    size = len(AutoTokenizer.from_pretrained(base))
+    build_tokenizer(["completely different words for another vocabulary entirely"] * 50
+                    + [f"token{i} " * 3 for i in range(600)], folder, vocab_size=size)
+    other = AutoTokenizer.from_pretrained(folder)
+    assert len(other) == size and other.get_vocab() != AutoTokenizer.from_pretrained(base).get_vocab()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(folder / name, base / name)
+
+
+def edit_embedding_rows(base: Path) -> None:
+    """Move 160 rows of the input embeddings, none of them in the 4 KiB blocks at the start, middle or end of the
+    tensor that the sampled fingerprint reads (rows 0-15, 248-263 and 496-511 of 512 rows of 64 floats)."""
+    weights = load_file(base / "model.safetensors")
+    embeddings = weights["model.embed_tokens.weight"].clone()
+    assert embeddings.shape == (512, 64)
+    embeddings[40:200] += 0.5
+    save_file({**weights, "model.embed_tokens.weight": embeddings}, base / "model.safetensors",
+              metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("change", ["tokenizer", "embedding rows"])
+def test_a_base_with_another_tokenizer_or_edited_embedding_rows_is_not_the_recorded_base(local_base, tmp_path,
+                                                                                        change):
+    memory = memory_on(local_base, tmp_path / "memory")
+    recorded = json.loads((memory / "memory_config.json").read_text())["base_fingerprint"]
+    assert recorded == base_fingerprint(local_base)
+    sampled = _sampled_base_fingerprint(local_base)
+    if change == "tokenizer":
+        other_tokenizer_of_the_same_size(local_base, tmp_path / "other_tokenizer")
+    else:
+        edit_embedding_rows(local_base)
+    assert _sampled_base_fingerprint(local_base) == sampled  # what the sampled fingerprint could not see
+    assert base_fingerprint(local_base) != recorded
+    before = checksums(memory, local_base)
+    with pytest.raises(ValueError, match=rf"{memory}: its memory config names the local base {local_base}, but the "
+                                         r"model there now is not the one the memory was trained on"):
+        TitansQwenForCausalLM.from_pretrained(memory)
+    assert checksums(memory, local_base) == before
+
+
+def test_the_base_fingerprint_frames_each_file_by_name_and_size(tmp_path):
+    """Bytes moved from one file to the next, or a file renamed, change the fingerprint."""
+    folders = {}
+    for label, files in {"original": {"vocab.json": b"ab", "merges.txt": b"c"},
+                         "moved": {"vocab.json": b"a", "merges.txt": b"bc"},
+                         "renamed": {"vocab.json": b"ab", "added_tokens.json": b"c"}}.items():
+        folder = tmp_path / label
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+        for name, content in files.items():
+            (folder / name).write_bytes(content)
+        folders[label] = base_fingerprint(folder)
+    assert len(set(folders.values())) == 3
+    assert all(len(value) == 64 for value in folders.values())
+
+
+@pytest.mark.parametrize("older", [_sampled_base_fingerprint, _legacy_base_fingerprint])
+def test_a_memory_with_a_sampled_fingerprint_loads_with_a_warning_and_is_re_recorded_in_full(local_base, tmp_path,
+                                                                                             caplog, older):
+    memory = memory_on(local_base, tmp_path / "memory")
+    config_path = memory / "memory_config.json"
+    config = json.loads(config_path.read_text())
+    full = config["base_fingerprint"]
+    config_path.write_text(json.dumps({**config, "base_fingerprint": older(local_base)}))  # as a release before
+    before = checksums(memory, local_base)
+    with caplog.at_level(logging.WARNING, logger="titans_hf.hub"):
+        model = TitansQwenForCausalLM.from_pretrained(memory)
+    assert checksums(memory, local_base) == before
+    [warning] = [record.getMessage() for record in caplog.records if "base_fingerprint" in record.getMessage()]
+    assert f"{memory}: its memory config records a base_fingerprint of an earlier titans_hf" in warning
+    assert "covers samples of the base's weights only" in warning and "save the memory again" in warning
+    assert model.config.memory_config.base_fingerprint == full
+    model.save_pretrained(tmp_path / "re_recorded")
+    assert json.loads((tmp_path / "re_recorded" / "memory_config.json").read_text())["base_fingerprint"] == full
+
+
+def test_another_base_of_the_same_shape_is_refused_under_a_sampled_fingerprint_too(local_base, tiny_qwen3_dir,
+                                                                                    tmp_path):
+    memory = memory_on(local_base, tmp_path / "memory")
+    config_path = memory / "memory_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()),
+                                       "base_fingerprint": _sampled_base_fingerprint(local_base)}))
+    weights = load_file(local_base / "model.safetensors")
+    save_file({name: tensor + 1 for name, tensor in weights.items()}, local_base / "model.safetensors",
+              metadata={"format": "pt"})
+    before = checksums(memory, local_base)
+    with pytest.raises(ValueError, match=r"but the model there now is not the one the memory was trained on"):
+        TitansQwenForCausalLM.from_pretrained(memory)
+    assert checksums(memory, local_base) == before
+
+
+# ---- token stores ----
+
+@pytest.fixture
+def prepared_store(tmp_path, tiny_tokenizer_dir) -> Path:
+    source = tmp_path / "docs.txt"
+    source.write_text("John went to the garden. Mary went to the office.\n" * 8)
+    [store] = prepare(source, tmp_path / "corpus_bin", tiny_tokenizer_dir)
+    return store
+
+
+@pytest.mark.parametrize("dropped", [("tokenizer_fingerprint",), ("vocab_size", "tokenizer_fingerprint")])
+def test_a_store_that_records_no_tokenizer_fingerprint_is_refused(prepared_store, tiny_tokenizer_dir, dropped):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    meta_path = prepared_store / "meta.json"
+    check_stores_tokenizer([meta_path], tokenizer, "the model's tokenizer")  # as prepare wrote it: both recorded
+    meta = json.loads(meta_path.read_text())
+    assert meta["vocab_size"] == len(tokenizer) and len(meta["tokenizer_fingerprint"]) == 64
+    meta_path.write_text(json.dumps({key: value for key, value in meta.items() if key not in dropped}))
+    before = checksums(prepared_store)
+    with pytest.raises(ValueError, match=rf"^{prepared_store}: records no tokenizer_fingerprint, so nothing shows "
+                                         r"that its ids were made by the model's tokenizer \(.*\); prepare the store "
+                                         r"again with this tokenizer"):
+        check_stores_tokenizer([meta_path], tokenizer, "the model's tokenizer")
+    assert checksums(prepared_store) == before
