@@ -1,9 +1,10 @@
 """Hostile things where the commands write: a link, a hard link or a folder where the training lock goes, a manifest
-that came with a copied folder or names what titans_hf did not write, output names the manifest cannot hold.
+that came with a copied folder or names what titans_hf did not write, output names the manifest cannot hold or too
+long for a temporary name.
 
-The rules they check: every file titans_hf writes is opened without following a link, inside the folder it belongs
-to; a manifest vouches only for what this tool wrote in the very folder it lies in; each refusal is one line naming
-the file. Each test checksums what it hands in and checks it afterwards.
+The rules they check: every file titans_hf writes is opened without following a link, under a fresh name created
+exclusively, inside the folder it belongs to; a manifest vouches only for what this tool wrote in the very folder it
+lies in; each refusal is one line naming the file. Each test checksums what it hands in and checks it afterwards.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import os
 import shutil
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,7 @@ from titans_hf.utils import (
     read_manifest,
     record_folder,
     record_outputs,
+    replace_outputs,
     unrecorded_reason,
     writing_folder,
 )
@@ -200,3 +203,45 @@ def test_an_output_name_that_is_not_utf8_is_refused_before_anything_is_written(t
     assert list(output.iterdir()) == []
     with pytest.raises(ValueError, match="its name is not valid UTF-8"):
         check_outputs([output / name], overwrite=True)
+
+
+def test_names_of_up_to_255_bytes_are_written_and_replaced(tmp_path, tiny_tokenizer_dir):
+    long_json = "q" * 250 + ".json"  # 255 bytes, the most a file name may have
+    assert babilong(tiny_tokenizer_dir, tmp_path / "data" / long_json) == 0
+    assert babilong(tiny_tokenizer_dir, tmp_path / "data" / long_json, "--overwrite") == 0
+    assert sorted(path.name for path in (tmp_path / "data").iterdir()) == sorted([MANIFEST_NAME, long_json])
+
+    target, temporary = tmp_path / ("a" + "é" * 127), tmp_path / "new"  # 255 bytes: the kept 200 cut an é in two
+    target.write_text("old")
+    temporary.write_text("new")
+    replace_outputs([temporary], [target])
+    assert target.read_text() == "new"
+
+    folder = tmp_path / ("d" * 255)
+    for overwrite in (False, True):
+        with writing_folder(folder, overwrite=overwrite, command="titans-hf demo") as output:
+            (output / "run.json").write_text(str(overwrite))
+    assert (folder / "run.json").read_text() == "True"
+
+    from titans_hf.data.prepare import prepare
+
+    (tmp_path / "docs.txt").write_text("John went to the garden.\n" * 20)
+    store = tmp_path / ("s" * 252 + ".h5")
+    for overwrite in (False, True):
+        assert prepare(tmp_path / "docs.txt", store, tiny_tokenizer_dir, overwrite=overwrite) == [store]
+    assert sorted(path.name for path in tmp_path.iterdir() if path.name.startswith(".")) == []
+
+
+def test_a_store_is_written_under_a_fresh_name_created_exclusively(tmp_path, tiny_tokenizer_dir, monkeypatch):
+    from titans_hf.data.prepare import prepare
+
+    (tmp_path / "docs.txt").write_text("John went to the garden.\n" * 20)
+    (tmp_path / "mine.txt").write_text("mine\n")
+    fixed = uuid.UUID(int=0)
+    monkeypatch.setattr(uuid, "uuid4", lambda: fixed)
+    planted = tmp_path / f".corpus.h5.tmp-{os.getpid()}-{fixed.hex[:8]}"
+    planted.symlink_to(tmp_path / "mine.txt")  # at the temporary name the store would be written under
+    with pytest.raises(FileExistsError):
+        prepare(tmp_path / "docs.txt", tmp_path / "corpus.h5", tiny_tokenizer_dir)
+    assert (tmp_path / "mine.txt").read_text() == "mine\n"
+    assert not (tmp_path / "corpus.h5").exists()

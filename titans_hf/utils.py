@@ -13,6 +13,9 @@ and not device numbers: a copy always gets new inodes, while a device number may
 mounted again (overlay, LVM, NFS). A file not vouched for belongs to the user and is never replaced; file names (a
 `config.json`, a `results.json`) prove nothing. Token stores are recognised by their exact layout instead
 (`titans_hf.data.stores.replaceable_store_problem`).
+
+Files are written under a fresh hidden name created exclusively beside the output and renamed into place
+(`atomic_write`, `hidden_sibling`): a link lying at the output is replaced, never written through.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ MANIFEST_NAME = ".titans_hf_outputs.json"
 MANIFEST_FORMAT = 2
 # The most bytes of a manifest that is read: far more than the few hundred files this tool writes into one folder.
 MAX_MANIFEST_BYTES = 1 << 24
+# The most bytes of an output's name that the hidden names beside it (temporaries, set-aside copies) repeat: with the
+# dot, a tag and a random part they stay within the 255 bytes a file name may have, however long the output's name.
+KEPT_NAME_BYTES = 200
 # The most characters one text (a BABILong row's field, a .jsonl line, a stretch of text without a safe cut) may
 # hold, about 4M tokens: tokenizing takes about 130 bytes of memory per character (measured: 7.9 GB for 60M
 # characters with a byte-level BPE), so a tiny compressed file holding one huge text could otherwise exhaust the
@@ -87,15 +93,27 @@ def max_text_characters() -> int:
     return limit
 
 
+def short_name(name: str) -> str:
+    """`name` cut to its first `KEPT_NAME_BYTES` bytes, for the hidden names made from it."""
+    encoded = os.fsencode(name)
+    return name if len(encoded) <= KEPT_NAME_BYTES else os.fsdecode(encoded[:KEPT_NAME_BYTES])
+
+
+def hidden_sibling(path: Path, tag: str) -> Path:
+    """A fresh hidden name beside `path` for its temporary or set-aside copy: `.NAME.TAG-PID-RANDOM`."""
+    return path.with_name(f".{short_name(path.name)}.{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[str], Any]) -> Path:
     """Write `path` through `write(temporary_path)` in the same folder, then rename it into place.
 
     An interrupted or failed write leaves `path` as it was (absent or the previous version), never half-written,
     and removes its temporary file; a full disk is an OSError saying so. The file gets the permissions the umask
-    gives. Returns `path`.
+    gives. The temporary name is fresh and created exclusively (`mkstemp`), and the rename replaces whatever lies at
+    `path` (a link included) without writing through it. Returns `path`.
     """
     path = Path(path)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{short_name(path.name)}.", suffix=".tmp")
     os.close(handle)
     try:
         write(temporary)
@@ -380,7 +398,7 @@ def writing_folder(folder: str | os.PathLike, overwrite: bool, command: str) -> 
     if not was_empty:
         check_folder_output(folder, overwrite)
         if folder.exists():
-            aside = folder.with_name(f".{folder.name}.replaced-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            aside = hidden_sibling(folder, "replaced")
             os.replace(folder, aside)
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -415,7 +433,7 @@ def replace_outputs(finished: Sequence[Path], targets: Sequence[Path], replaced:
     """
     existing = list(dict.fromkeys([*replaced, *(target for target in targets
                                                  if target.exists() or target.is_symlink())]))
-    set_aside = [path.with_name(f".{path.name}.replaced-{os.getpid()}-{uuid.uuid4().hex[:8]}") for path in existing]
+    set_aside = [hidden_sibling(path, "replaced") for path in existing]
     for path, aside in zip(existing, set_aside):
         os.replace(path, aside)
     try:
