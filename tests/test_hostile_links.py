@@ -1,6 +1,6 @@
 """Hostile things where the commands write: a link, a hard link or a folder where the training lock goes, a manifest
 that came with a copied folder or names what titans_hf did not write, output names the manifest cannot hold or too
-long for a temporary name.
+long for a temporary name, a folder that cannot be written.
 
 The rules they check: every file titans_hf writes is opened without following a link, under a fresh name created
 exclusively, inside the folder it belongs to; a manifest vouches only for what this tool wrote in the very folder it
@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -245,3 +246,37 @@ def test_a_store_is_written_under_a_fresh_name_created_exclusively(tmp_path, tin
         prepare(tmp_path / "docs.txt", tmp_path / "corpus.h5", tiny_tokenizer_dir)
     assert (tmp_path / "mine.txt").read_text() == "mine\n"
     assert not (tmp_path / "corpus.h5").exists()
+
+
+def test_a_folder_that_cannot_be_written_is_named_in_one_line(tmp_path, tiny_tokenizer_dir):
+    """Run as a process that file permissions apply to (as root, without the capability to override them)."""
+    (tmp_path / "docs.txt").write_text("John went to the garden.\n" * 20)
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    empty = read_only / "empty"
+    empty.mkdir()
+    read_only.chmod(0o555)
+    empty.chmod(0o555)
+    unprivileged = ["setpriv", "--inh-caps=-dac_override,-dac_read_search",
+                    "--bounding-set=-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
+    commands = {
+        "prepare": ["prepare", str(tmp_path / "docs.txt"), "-o", str(read_only / "corpus.h5"), "--tokenizer",
+                    str(tiny_tokenizer_dir)],
+        "babilong": ["babilong", "generate", "--task", "qa1", "--length", "0", "--num-samples", "1", "--tokenizer",
+                     str(tiny_tokenizer_dir), "--output", str(read_only / "0k.json")],
+        "demo": ["demo", "--output-dir", str(empty), "--pretrain-steps", "1"],
+    }
+    try:
+        for name, argv in commands.items():
+            result = subprocess.run([*unprivileged, sys.executable, "-m", "titans_hf.commands", *argv],
+                                    capture_output=True, text=True, timeout=300)
+            target = empty / MANIFEST_NAME if name == "demo" else Path(argv[argv.index("-o" if name == "prepare"
+                                                                                     else "--output") + 1])
+            folder = empty if name == "demo" else read_only
+            assert (result.returncode, result.stderr.splitlines()[-1:]) == (
+                2, [f"titans-hf: error: output {target}: folder {folder} is not writable"]), (name, result.stderr)
+            assert "Traceback" not in result.stderr
+        assert sorted(path.name for path in read_only.iterdir()) == ["empty"] and not any(empty.iterdir())
+    finally:
+        read_only.chmod(0o755)
+        empty.chmod(0o755)

@@ -329,8 +329,8 @@ def replaceable_folder_problem(folder: str | os.PathLike) -> str | None:
     return None
 
 
-def _check_can_create(path: Path) -> None:
-    """Refuse an output whose nearest existing folder above it is a file or cannot be written."""
+def check_can_create(path: Path) -> None:
+    """Refuse, naming it, an output whose nearest existing folder above it is a file or cannot be written."""
     existing = next(folder for folder in path.parents if folder.exists())
     if not existing.is_dir():
         raise NotADirectoryError(f"output {path}: {existing} is a file, not a folder")
@@ -359,16 +359,16 @@ def check_outputs(paths: list[Path], overwrite: bool) -> None:
             raise IsADirectoryError(f"output {path} is a folder; give a file name inside it")
         if path.exists() or path.is_symlink():
             _check_replaceable(path, overwrite, unrecorded_reason)
-        _check_can_create(path)
+        check_can_create(path)
 
 
 def check_folder_output(folder: Path, overwrite: bool) -> None:
     """Refuse, before any work, an existing output folder without `overwrite`, and with it any folder this tool
-    did not write whole (`replaceable_folder_problem`): a user's folder is never replaced."""
-    if not (folder.exists() or folder.is_symlink()):
-        _check_can_create(folder)
-        return
-    _check_replaceable(folder, overwrite, replaceable_folder_problem)
+    did not write whole (`replaceable_folder_problem`): a user's folder is never replaced. The folder it is made
+    or replaced in must be writable."""
+    if folder.exists() or folder.is_symlink():
+        _check_replaceable(folder, overwrite, replaceable_folder_problem)
+    check_can_create(folder)
 
 
 def _check_replaceable(path: Path, overwrite: bool, problem_of: Callable[[Path], str | None]) -> None:
@@ -395,7 +395,9 @@ def writing_folder(folder: str | os.PathLike, overwrite: bool, command: str) -> 
     folder = Path(folder)
     was_empty = folder.is_dir() and not folder.is_symlink() and not any(folder.iterdir())
     aside = None
-    if not was_empty:
+    if was_empty:
+        check_can_create(folder / MANIFEST_NAME)
+    else:
         check_folder_output(folder, overwrite)
         if folder.exists():
             aside = hidden_sibling(folder, "replaced")
