@@ -76,7 +76,7 @@ def test_a_folder_written_in_place_replaces_only_its_own_kind_and_a_failure_puts
         (output / "memory").mkdir()
         (output / "memory" / "weights.bin").write_bytes(b"first")
     first = checksums(folder)
-    assert json.loads((folder / MANIFEST_NAME).read_text())["folder"] == {"command": "titans-hf demo"}
+    assert json.loads((folder / MANIFEST_NAME).read_text())["whole"] == {"command": "titans-hf demo"}
     with pytest.raises(FileExistsError, match=r"demo exists; pass --overwrite"):
         with writing_folder(folder, overwrite=False, command="titans-hf demo"):
             raise AssertionError("refused before the block runs")

@@ -4,10 +4,18 @@ NaN.
 
 The rule for outputs, everywhere: an existing output is replaced only with `overwrite` (`--overwrite`), and even
 then only when this tool wrote it. What it wrote is recorded in a manifest, `.titans_hf_outputs.json`, in the
-output's folder: {name: {"command", "sha256"}} per file, and a folder-wide entry ({"folder": true}) for a folder
-this tool wrote whole (a stand-in base). A file that is not listed, or whose bytes changed since (its sha256
-differs), belongs to the user and is never replaced; file names (a `config.json`, a `results.json`) prove nothing.
-Token stores are recognised by their exact layout instead (`titans_hf.data.stores.replaceable_store_problem`).
+output's folder (`MANIFEST_FORMAT`): the inode of the folder it was written in, {name: {"command", "sha256",
+"inode"}} per file, and {"whole": {"command"}} for a folder this tool wrote whole (a stand-in base). A manifest
+vouches only for its own folder and what this tool created there: one that came with a copied folder (another
+folder inode), an entry naming a path outside the folder or (unless the folder was written whole) in a subfolder,
+and a file that is a link, another file (another inode) or other bytes (another sha256) vouch for nothing. Inodes
+and not device numbers: a copy always gets new inodes, while a device number may change when a file system is
+mounted again (overlay, LVM, NFS). A file not vouched for belongs to the user and is never replaced; file names (a
+`config.json`, a `results.json`) prove nothing. Token stores are recognised by their exact layout instead
+(`titans_hf.data.stores.replaceable_store_problem`).
+
+Files are written under a fresh hidden name created exclusively beside the output and renamed into place
+(`atomic_write`, `hidden_sibling`): a link lying at the output is replaced, never written through.
 """
 
 from __future__ import annotations
@@ -19,14 +27,21 @@ import json
 import math
 import os
 import shutil
+import stat
 import tempfile
 import uuid
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 MANIFEST_NAME = ".titans_hf_outputs.json"
+MANIFEST_FORMAT = 2
+# The most bytes of a manifest that is read: far more than the few hundred files this tool writes into one folder.
+MAX_MANIFEST_BYTES = 1 << 24
+# The most bytes of an output's name that the hidden names beside it (temporaries, set-aside copies) repeat: with the
+# dot, a tag and a random part they stay within the 255 bytes a file name may have, however long the output's name.
+KEPT_NAME_BYTES = 200
 # The most characters one text (a BABILong row's field, a .jsonl line, a stretch of text without a safe cut) may
 # hold, about 4M tokens: tokenizing takes about 130 bytes of memory per character (measured: 7.9 GB for 60M
 # characters with a byte-level BPE), so a tiny compressed file holding one huge text could otherwise exhaust the
@@ -78,15 +93,27 @@ def max_text_characters() -> int:
     return limit
 
 
+def short_name(name: str) -> str:
+    """`name` cut to its first `KEPT_NAME_BYTES` bytes, for the hidden names made from it."""
+    encoded = os.fsencode(name)
+    return name if len(encoded) <= KEPT_NAME_BYTES else os.fsdecode(encoded[:KEPT_NAME_BYTES])
+
+
+def hidden_sibling(path: Path, tag: str) -> Path:
+    """A fresh hidden name beside `path` for its temporary or set-aside copy: `.NAME.TAG-PID-RANDOM`."""
+    return path.with_name(f".{short_name(path.name)}.{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[str], Any]) -> Path:
     """Write `path` through `write(temporary_path)` in the same folder, then rename it into place.
 
     An interrupted or failed write leaves `path` as it was (absent or the previous version), never half-written,
     and removes its temporary file; a full disk is an OSError saying so. The file gets the permissions the umask
-    gives. Returns `path`.
+    gives. The temporary name is fresh and created exclusively (`mkstemp`), and the rename replaces whatever lies at
+    `path` (a link included) without writing through it. Returns `path`.
     """
     path = Path(path)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{short_name(path.name)}.", suffix=".tmp")
     os.close(handle)
     try:
         write(temporary)
@@ -158,77 +185,152 @@ def check_tokenizer_argument(name: str | os.PathLike, flag: str) -> None:
 
 # ---- what this tool wrote: the outputs manifest ----
 
-def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
-    """The manifest of `folder` ({} when there is none, or it is not one this tool wrote)."""
-    path = Path(folder) / MANIFEST_NAME
-    if path.is_symlink() or not path.is_file():
-        return {}
+def _open_plain_file(path: Path) -> BinaryIO | None:
+    """`path` opened for reading when it is a plain file, without following a link (None when it is not one)."""
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return {}
-    return manifest if isinstance(manifest, dict) else {}
+        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        return None
+    return os.fdopen(descriptor, "rb")
+
+
+def _entry_name_allowed(name: str, whole: bool) -> bool:
+    """Whether a manifest may vouch for `name`: a path relative to its folder without `.`, `..` or empty parts,
+    naming a file in the folder itself, or in a subfolder when this tool wrote the folder whole."""
+    parts = name.split("/")
+    return all(part not in ("", ".", "..") for part in parts) and name != MANIFEST_NAME and (whole or len(parts) == 1)
+
+
+def _entry_allowed(entry: Any) -> bool:
+    """Whether a manifest entry has the fields `record_outputs` writes, with their types."""
+    return (isinstance(entry, dict) and isinstance(entry.get("command"), str)
+            and isinstance(entry.get("sha256"), str) and type(entry.get("inode")) is int)
+
+
+def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
+    """What `folder`'s manifest vouches for: {"whole": {"command"} or None, "files": {name: entry}}.
+
+    Nothing (no whole folder, no files) when there is no manifest, when it is a link, not a plain file, not JSON of
+    `MANIFEST_FORMAT`, or was written in another folder (its folder inode is not this one's: it came with a copy).
+    Entries that lack a field or name a path the manifest may not vouch for (`_entry_name_allowed`) are left out.
+    """
+    folder = Path(folder)
+    nothing: dict[str, Any] = {"whole": None, "files": {}}
+    handle = _open_plain_file(folder / MANIFEST_NAME)
+    if handle is None:
+        return nothing
+    try:
+        with handle:
+            content = handle.read(MAX_MANIFEST_BYTES + 1)
+        manifest = json.loads(content) if len(content) <= MAX_MANIFEST_BYTES else None
+        folder_inode = os.stat(folder).st_ino
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return nothing
+    if (not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT
+            or manifest.get("folder_inode") != folder_inode or not isinstance(manifest.get("files"), dict)):
+        return nothing
+    whole = manifest.get("whole")
+    whole = whole if isinstance(whole, dict) and isinstance(whole.get("command"), str) else None
+    files = {name: entry for name, entry in manifest["files"].items()
+             if _entry_name_allowed(name, whole is not None) and _entry_allowed(entry)}
+    return {"whole": whole, "files": files}
+
+
+def _write_manifest(folder: Path, whole: dict[str, str] | None, files: dict[str, Any]) -> None:
+    """Write `folder`'s manifest, bound to the folder by its inode."""
+    manifest = {"format": MANIFEST_FORMAT, "folder_inode": os.stat(folder).st_ino, "files": files}
+    if whole is not None:
+        manifest["whole"] = whole
+    atomic_write_json(folder / MANIFEST_NAME, manifest)
+
+
+def _plain_file_record(path: Path) -> dict[str, Any] | None:
+    """{"sha256", "inode"} of `path` when it is a plain file, opened without following a link; else None."""
+    handle = _open_plain_file(path)
+    if handle is None:
+        return None
+    digest = hashlib.sha256()
+    with handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+        return {"sha256": digest.hexdigest(), "inode": os.fstat(handle.fileno()).st_ino}
+
+
+def _vouched(path: Path, entry: dict[str, Any]) -> bool:
+    """Whether `path` is still the very file `entry` records: a plain file with its inode and its bytes."""
+    record = _plain_file_record(path)
+    return record is not None and record["inode"] == entry["inode"] and record["sha256"] == entry["sha256"]
+
+
+def _record_of(path: Path, command: str) -> dict[str, Any]:
+    """The manifest entry of the output `path` that `command` has just written."""
+    record = _plain_file_record(path)
+    if record is None:
+        raise ValueError(f"output {path}: not a plain file, so not recorded as an output of {command}")
+    return {"command": command, **record}
 
 
 def record_outputs(folder: str | os.PathLike, names: Sequence[str], command: str) -> None:
     """Record in `folder`'s manifest that `command` wrote the files `names` there, as they are now."""
     folder = Path(folder)
     manifest = read_manifest(folder)
-    manifest.update({name: {"command": command, "sha256": file_sha256(folder / name)} for name in names})
-    atomic_write_json(folder / MANIFEST_NAME, manifest)
+    files = {**manifest["files"], **{name: _record_of(folder / name, command) for name in names}}
+    _write_manifest(folder, manifest["whole"], files)
 
 
 def record_folder(folder: str | os.PathLike, command: str) -> None:
-    """Record that `command` wrote the whole of `folder`: every file in it, by relative path, and a folder entry
+    """Record that `command` wrote the whole of `folder`: every file in it, by relative path, and the whole folder
     (what `replaceable_folder_problem` checks before `--overwrite` replaces the folder)."""
     folder = Path(folder)
-    names = sorted(str(path.relative_to(folder)) for path in folder.rglob("*")
-                   if path.is_file() and path.name != MANIFEST_NAME)
-    atomic_write_json(folder / MANIFEST_NAME, {
-        "folder": {"command": command},
-        **{name: {"command": command, "sha256": file_sha256(folder / name)} for name in names}})
+    names = sorted(path.relative_to(folder).as_posix() for path in folder.rglob("*")
+                   if path.is_file() and path != folder / MANIFEST_NAME)
+    _write_manifest(folder, {"command": command}, {name: _record_of(folder / name, command) for name in names})
 
 
 def unrecorded_reason(path: Path) -> str | None:
-    """Why the file `path` is not one this tool wrote (None when its folder's manifest vouches for its bytes)."""
-    entry = read_manifest(path.parent).get(path.name)
+    """Why the file `path` is not one this tool wrote (None when its folder's manifest vouches for it)."""
     if path.is_symlink() or not path.is_file():
         return "it is not a plain file"
-    if not isinstance(entry, dict):
-        return f"titans_hf did not write it (it is not listed in {path.parent / MANIFEST_NAME})"
-    if entry.get("sha256") != file_sha256(path):
-        return f"it changed since {entry.get('command', 'titans_hf')} wrote it"
+    entry = read_manifest(path.parent)["files"].get(path.name)
+    if entry is None:
+        return f"titans_hf did not write it (this folder's {MANIFEST_NAME} holds no record of it)"
+    if not _vouched(path, entry):
+        return f"it changed since {entry['command']} wrote it"
     return None
 
 
 def replaceable_folder_problem(folder: str | os.PathLike) -> str | None:
     """None when `folder` is exactly what this tool wrote there as a whole (`record_folder`): every file listed in
-    its manifest with its recorded bytes, nothing else in it. Else why not."""
+    its manifest with its recorded identity and bytes, nothing else in it. Else why not."""
     folder = Path(folder)
     if folder.is_symlink():
         return "it is a symbolic link"
     if not folder.is_dir():
         return "it is not a folder"
     manifest = read_manifest(folder)
-    if "folder" not in manifest:
+    if manifest["whole"] is None:
         return f"it holds no {MANIFEST_NAME} saying titans_hf wrote the whole folder"
-    listed = {name for name in manifest if name != "folder"}
-    present = set()
+    listed = manifest["files"]
+    present = []
     for path in folder.rglob("*"):
         if path.is_symlink() or not (path.is_file() or path.is_dir()):
             return f"{path} is not a plain file or folder"
-        if path.is_file() and path.name != MANIFEST_NAME:
-            present.add(str(path.relative_to(folder)))
-    if present - listed:
-        return f"it holds files titans_hf did not write: {sorted(present - listed)[:5]}"
-    changed = [name for name in sorted(present) if manifest[name].get("sha256") != file_sha256(folder / name)]
+        if path.is_file() and path != folder / MANIFEST_NAME:
+            present.append(path.relative_to(folder).as_posix())
+    unlisted = sorted(name for name in present if name not in listed)
+    if unlisted:
+        return f"it holds files titans_hf did not write: {unlisted[:5]}"
+    changed = [name for name in sorted(present) if not _vouched(folder / name, listed[name])]
     if changed:
         return f"files changed since titans_hf wrote them: {changed[:5]}"
     return None
 
 
-def _check_can_create(path: Path) -> None:
-    """Refuse an output whose nearest existing folder above it is a file or cannot be written."""
+def check_can_create(path: Path) -> None:
+    """Refuse, naming it, an output whose nearest existing folder above it is a file or cannot be written."""
     existing = next(folder for folder in path.parents if folder.exists())
     if not existing.is_dir():
         raise NotADirectoryError(f"output {path}: {existing} is a file, not a folder")
@@ -238,22 +340,35 @@ def _check_can_create(path: Path) -> None:
 
 def check_outputs(paths: list[Path], overwrite: bool) -> None:
     """Refuse, before any work, output files that exist (unless `overwrite`, and then only files this tool wrote,
-    per their folder's manifest), that are folders, or whose folder cannot be made or written."""
+    per their folder's manifest), that are folders, or whose folder cannot be made or written; names the manifest
+    cannot record (its own, and one that is not UTF-8: JSON holds text, not bytes); and a folder whose manifest is a
+    link or not a file (it would be replaced, or could not be)."""
     for path in paths:
+        if path.name == MANIFEST_NAME:
+            raise ValueError(f"output {path}: {MANIFEST_NAME} is the name of titans_hf's record of the outputs it "
+                             "wrote; choose another name")
+        try:
+            path.name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"output {str(path)!r}: its name is not valid UTF-8; choose a name that is") from None
+        manifest = path.parent / MANIFEST_NAME
+        if manifest.is_symlink() or manifest.exists() and not manifest.is_file():
+            raise FileExistsError(f"output {path}: {manifest}, where titans_hf records the outputs it wrote, is not "
+                                  "a plain file; remove it or choose another folder")
         if path.is_dir():
             raise IsADirectoryError(f"output {path} is a folder; give a file name inside it")
         if path.exists() or path.is_symlink():
             _check_replaceable(path, overwrite, unrecorded_reason)
-        _check_can_create(path)
+        check_can_create(path)
 
 
 def check_folder_output(folder: Path, overwrite: bool) -> None:
     """Refuse, before any work, an existing output folder without `overwrite`, and with it any folder this tool
-    did not write whole (`replaceable_folder_problem`): a user's folder is never replaced."""
-    if not (folder.exists() or folder.is_symlink()):
-        _check_can_create(folder)
-        return
-    _check_replaceable(folder, overwrite, replaceable_folder_problem)
+    did not write whole (`replaceable_folder_problem`): a user's folder is never replaced. The folder it is made
+    or replaced in must be writable."""
+    if folder.exists() or folder.is_symlink():
+        _check_replaceable(folder, overwrite, replaceable_folder_problem)
+    check_can_create(folder)
 
 
 def _check_replaceable(path: Path, overwrite: bool, problem_of: Callable[[Path], str | None]) -> None:
@@ -280,10 +395,12 @@ def writing_folder(folder: str | os.PathLike, overwrite: bool, command: str) -> 
     folder = Path(folder)
     was_empty = folder.is_dir() and not folder.is_symlink() and not any(folder.iterdir())
     aside = None
-    if not was_empty:
+    if was_empty:
+        check_can_create(folder / MANIFEST_NAME)
+    else:
         check_folder_output(folder, overwrite)
         if folder.exists():
-            aside = folder.with_name(f".{folder.name}.replaced-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            aside = hidden_sibling(folder, "replaced")
             os.replace(folder, aside)
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -318,7 +435,7 @@ def replace_outputs(finished: Sequence[Path], targets: Sequence[Path], replaced:
     """
     existing = list(dict.fromkeys([*replaced, *(target for target in targets
                                                  if target.exists() or target.is_symlink())]))
-    set_aside = [path.with_name(f".{path.name}.replaced-{os.getpid()}-{uuid.uuid4().hex[:8]}") for path in existing]
+    set_aside = [hidden_sibling(path, "replaced") for path in existing]
     for path, aside in zip(existing, set_aside):
         os.replace(path, aside)
     try:

@@ -40,10 +40,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cli() -> None:
-    """The `titans-hf` program: what a user did wrong (a bad setting, a missing file, offline) is one line on
-    stderr and exit status 2; anything else keeps its traceback."""
+    """The `titans-hf` program: what a user did wrong (a bad setting, a missing file, an output it may not replace
+    or a folder it cannot write, offline) is one line on stderr and exit status 2; anything else keeps its
+    traceback."""
     try:
         sys.exit(main())
-    except (ValueError, FileNotFoundError, NotADirectoryError, OfflineModeIsEnabled) as error:
+    except (ValueError, FileNotFoundError, NotADirectoryError, FileExistsError, IsADirectoryError, PermissionError,
+            OfflineModeIsEnabled) as error:
         print(f"titans-hf: error: {error}", file=sys.stderr)
         sys.exit(2)

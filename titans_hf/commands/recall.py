@@ -35,6 +35,7 @@ from titans_hf.utils import (
     record_outputs,
     remove_path,
     replace_outputs,
+    short_name,
 )
 
 from .arguments import length, local_or_hub
@@ -175,7 +176,7 @@ def stand_in_command(args: argparse.Namespace) -> int:
     output = Path(args.output_dir)
     check_folder_output(output, args.overwrite)
     output.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
+    scratch = Path(tempfile.mkdtemp(prefix=f".{short_name(output.name)}.partial-", dir=output.parent))
     try:
         give_umask_permissions(scratch)
         done = pretrain_stand_in(scratch, corpus_settings(args), steps=args.steps, batch_size=args.batch_size,

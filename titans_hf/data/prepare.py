@@ -53,6 +53,7 @@ from titans_hf.data.stores import (
 from titans_hf.data.windows import TRAIN_TYPE_KEYS
 from titans_hf.utils import (
     MAX_TEXT_CHARACTERS_VARIABLE,
+    check_can_create,
     check_tokenizer_argument,
     disk_full_message,
     max_text_characters,
@@ -625,6 +626,7 @@ def prepare(
     if paths is not None:
         _check_input_files(paths, train_type)
     _checked_outputs(output, inputs, overwrite)
+    check_can_create(output)
     check_tokenizer_argument(tokenizer, "tokenizer (--tokenizer)")
     output.parent.mkdir(parents=True, exist_ok=True)
 

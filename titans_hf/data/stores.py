@@ -42,13 +42,14 @@ import math
 import os
 import re
 import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import h5py
 import numpy as np
+
+from titans_hf.utils import hidden_sibling
 
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
@@ -763,7 +764,7 @@ class StoreWriter:
 
     def __init__(self, final_path: str | Path, dtypes: dict[str, Any], metadata: dict[str, Any]):
         self.final_path = Path(final_path)
-        self.temp_path = self.final_path.with_name(f".{self.final_path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self.temp_path = hidden_sibling(self.final_path, "tmp")
         self.metadata = _checked_metadata(metadata, self.final_path)
         self.dtypes = {
             _checked_key_name(key, self.final_path): _checked_dtype(dtype, key, self.final_path) for key, dtype in dtypes.items()
@@ -869,7 +870,7 @@ class H5StoreWriter(StoreWriter):
 
     def __init__(self, final_path: str | Path, dtypes: dict[str, Any], metadata: dict[str, Any]):
         super().__init__(final_path, dtypes, metadata)
-        self._file = h5py.File(self.temp_path, "w")
+        self._file = h5py.File(self.temp_path, "w-")  # created exclusively: never through what lies there
         self._groups = {key: self._file.create_group(key) for key in self.dtypes}
         self._pending: dict[str, list[np.ndarray]] = {key: [] for key in self.dtypes}
 

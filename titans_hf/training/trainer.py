@@ -21,6 +21,7 @@ import os
 import pickle
 import dataclasses
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -454,28 +455,25 @@ class TitansTrainer(CompiledChunks, Trainer):
         """Hold `output_dir/.titans_hf_train.lock` (an flock, released when this process ends however it ends,
         and the file removed when the run ends) for the whole run: a second run into the same output_dir is refused,
         naming the lock and its holder, instead of both overwriting each other's checkpoints. None on processes that
-        do not save."""
+        do not save. The lock is only ever a plain file of its own (`_open_lock`): what lies there is never written
+        through."""
         if not self.is_world_process_zero():
             return None
         folder = Path(self.args.output_dir)
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / LOCK_NAME
         while True:
-            handle = open(path, "a+", encoding="utf-8")
+            handle = _open_lock(path)
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
-                handle.seek(0)
-                holder = handle.read().strip() or "another process"
+                holder = " ".join(handle.read(100).split()) or "another process"
                 handle.close()
                 raise RuntimeError(f"{path}: held by {holder}: another run is training into output_dir {folder}; two "
                                    "runs there would overwrite each other's checkpoints (give this one another "
                                    "output_dir)") from None
-            try:
-                if os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino:
-                    break
-            except FileNotFoundError:
-                pass
+            if _is_at(handle, path):
+                break
             handle.close()  # the run that held it removed it as we opened it: take the new one
         handle.seek(0)
         handle.truncate()
@@ -772,13 +770,58 @@ class TitansTrainer(CompiledChunks, Trainer):
             raise ValueError(f"{_unreadable(checkpoint, names)}: not a random number generator state ({error})") from error
 
 
+def _lock_problem(status: os.stat_result) -> str | None:
+    """What a training lock with this `lstat` / `fstat` is, when it is not a plain file with no other name."""
+    if stat.S_ISLNK(status.st_mode):
+        return "a symbolic link"
+    if stat.S_ISDIR(status.st_mode):
+        return "a folder"
+    if not stat.S_ISREG(status.st_mode):
+        return "not a plain file"
+    return None if status.st_nlink == 1 else "a file with other names (hard links)"
+
+
+def _open_lock(path: Path) -> Any:
+    """The training lock at `path`, opened (created when absent) for reading and writing. Anything there but a plain
+    file with no other name is refused, naming it: a link or a hard link could be a user's file, which the holder's
+    line would replace. It is opened without following a link, so that none put there meanwhile is written through.
+    """
+    try:
+        problem = _lock_problem(os.lstat(path))
+    except FileNotFoundError:
+        problem = None
+    if problem is None:
+        try:
+            handle = open(path, "r+", encoding="utf-8", opener=lambda name, flags: os.open(
+                name, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_NOCTTY, 0o666))
+        except OSError as error:
+            raise OSError(error.errno, f"{path}: cannot open the training lock ({error.strerror}); output_dir must "
+                                       "be a folder this run can write") from None
+        problem = _lock_problem(os.fstat(handle.fileno()))
+        if problem is not None:
+            handle.close()
+    if problem is not None:
+        raise FileExistsError(f"{path}: the training lock is {problem}, which titans_hf will not write into; remove "
+                              "it or choose another output_dir")
+    return handle
+
+
+def _is_at(handle: Any, path: Path) -> bool:
+    """Whether the open `handle` is the file at `path` (not one removed or replaced since it was opened)."""
+    try:
+        at_path = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(handle.fileno())
+    return (at_path.st_dev, at_path.st_ino) == (opened.st_dev, opened.st_ino)
+
+
 def _release_lock(handle: Any) -> None:
     """Remove the run's lock file while still holding it, then release it (`_lock_output_dir` checks that the file
-    it locked is still the one at the path, so a run starting meanwhile cannot hold a removed one)."""
-    try:
+    it locked is still the one at the path, so a run starting meanwhile cannot hold a removed one). Whatever has
+    taken its place at the path is left alone."""
+    if _is_at(handle, Path(handle.name)):
         os.unlink(handle.name)
-    except FileNotFoundError:
-        pass
     handle.close()
 
 
