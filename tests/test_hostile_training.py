@@ -4,12 +4,17 @@ changed settings are named, and nothing in the checkpoint is modified by trying.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
+from test_commands import run_cli  # noqa: F401  (a fixture)
 from test_trainer import make_trainer, rows  # noqa: F401  (rows is a fixture)
+
+from titans_hf.data.prepare import prepare
 
 
 def checksums(folder: Path) -> dict[str, str]:
@@ -131,3 +136,56 @@ def test_the_lock_file_goes_when_the_run_ends_and_a_stale_one_blocks_nothing(tin
     with pytest.raises(RuntimeError, match="the run fails"):
         make_trainer(tiny_qwen3_dir, tmp_path, rows, max_steps=1, save_strategy="no").train()
     assert not lock.exists()
+
+
+# ---- grpo rewards and non-finite steps ----
+
+STORY = "Mary went to the kitchen. " + "The old clock on the tower struck noon. " * 3 + "Where is Mary?"
+GROUPS = [{"prompt": STORY, "responses": [" kitchen", " garden"], "rewards": [1.0, 0.0]},
+          {"prompt": STORY.replace("Mary", "John"), "responses": [" office", " garden"], "rewards": [0.5, -1.0]}]
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join(json.dumps(record) + "\n" for record in records), encoding="utf-8")
+    return path
+
+
+def grpo_train_argv(model_dir: Path, store: Path, output: Path, *flags: str) -> list[str]:
+    return ["train", "--dataset", "titans_tokens", "--train_type", "grpo", "--data_files", str(store),
+            "--model_name_or_path", str(model_dir), "--chunk_size", "8", "--memory_layers", "1",
+            "--memory_chunk_size", "4", "--memory_head_dim", "16", "--output_dir", str(output),
+            "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1", "--report_to", "none",
+            "--disable_tqdm", "true", "--use_cpu", "true", *flags]
+
+
+def test_grpo_rewards_that_overflow_are_refused_at_prepare_and_at_load(run_cli, tiny_qwen3_dir,  # noqa: F811
+                                                                        tiny_tokenizer_dir, tmp_path):
+    """Rewards of +-3e38 (float32 holds them, but two sum to inf and GRPO's advantages become NaN): `titans-hf
+    prepare` refuses them in one line naming the line; a store written by an older version that holds them is
+    refused by `train --train_type grpo` as its rows are read, naming the file and record, before any step."""
+    source = write_jsonl(tmp_path / "groups.jsonl", [GROUPS[0], {**GROUPS[1], "rewards": [3e38, -3e38]}])
+    before = checksums(tmp_path)
+    result = run_cli("prepare", str(source), "--output", str(tmp_path / "groups_bin"), "--tokenizer",
+                     str(tiny_tokenizer_dir), "--train-type", "grpo")
+    assert (result.returncode, result.stderr.splitlines()[-1]) == (2, (  # after the progress bar's lines
+        f"titans-hf: error: {source}:2: field 'rewards' holds [3e+38, -3e+38]; rewards must be finite numbers in "
+        "[-1e+09, 1e+09] (larger ones overflow GRPO's advantages in float32)"))
+    assert checksums(tmp_path) == before
+
+    [store] = prepare(write_jsonl(tmp_path / "ok.jsonl", GROUPS), tmp_path / "groups_bin", tiny_tokenizer_dir,
+                      train_type="grpo")
+    np.array([1.0, 0.0, 3e38, -3e38], np.float32).tofile(store / "rewards.bin")
+    meta = json.loads((store / "meta.json").read_text())
+    for entry in meta["keys"].values():  # as written before ranges and checksums were recorded
+        for field in ("min", "max", "sha256"):
+            del entry[field]
+    (store / "meta.json").write_text(json.dumps(meta))
+    stored = checksums(store)
+    result = run_cli(*grpo_train_argv(tiny_qwen3_dir, store, tmp_path / "out", "--max_steps", "1"))
+    error = result.stderr.splitlines()[-1]
+    assert result.returncode == 2
+    assert error.startswith(f"titans-hf: error: {store / 'rewards.bin'}: key 'rewards' holds 3")
+    assert error.endswith(" at position 2, not a finite number in [-1e+09, 1e+09] (MAX_ABS_REWARD: larger rewards "
+                          "overflow GRPO's advantages in float32) (record 1)")
+    assert not (tmp_path / "out" / "memory_model.safetensors").exists()
+    assert checksums(store) == stored
