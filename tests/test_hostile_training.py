@@ -6,15 +6,22 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 from pathlib import Path
 
+import datasets
 import numpy as np
 import pytest
+import torch
 from test_commands import run_cli  # noqa: F401  (a fixture)
 from test_trainer import make_trainer, rows  # noqa: F401  (rows is a fixture)
+from transformers import AutoTokenizer, TrainerCallback
 
 from titans_hf.data.prepare import prepare
+from titans_hf.modeling import TitansQwenForCausalLM
+from titans_hf.training import TitansTrainer, TitansTrainingArguments
+from titans_hf.training.trainer import checkpoint_problem
 
 
 def checksums(folder: Path) -> dict[str, str]:
@@ -189,3 +196,61 @@ def test_grpo_rewards_that_overflow_are_refused_at_prepare_and_at_load(run_cli, 
                           "overflow GRPO's advantages in float32) (record 1)")
     assert not (tmp_path / "out" / "memory_model.safetensors").exists()
     assert checksums(store) == stored
+
+
+def test_a_non_finite_loss_stops_the_run_before_anything_is_saved(tiny_qwen3_dir, tiny_tokenizer_dir, tmp_path):
+    """GRPO rows whose rewards overflow (3e38 twice: the group's sum is inf, as rows built in Python or an Arrow cache
+    of an older version may hold them) give an infinite loss: the run stops at step 1 with one error naming the step
+    and the loss, and writes neither a checkpoint nor the final memory (it used to save a memory full of NaN)."""
+    [store] = prepare(write_jsonl(tmp_path / "groups.jsonl", GROUPS), tmp_path / "groups_bin", tiny_tokenizer_dir,
+                      train_type="grpo")
+    rows = datasets.load_dataset("titans_tokens", data_files=f"{store}/*", train_type="grpo", split="train",
+                                 cache_dir=str(tmp_path / "cache"))
+    rows = rows.map(lambda row: {"rewards": [3e38, 3e38]})
+    torch.manual_seed(0)
+    model = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, chunk_size=8, memory_layers=[1], memory_chunk_size=4,
+                                            memory_head_dim=16)
+    output = tmp_path / "out"
+    args = TitansTrainingArguments(output_dir=str(output), per_device_train_batch_size=2, max_steps=2, save_steps=1,
+                                   report_to="none", use_cpu=True, disable_tqdm=True)
+    trainer = TitansTrainer(model=model, args=args, train_dataset=rows,
+                            processing_class=AutoTokenizer.from_pretrained(tiny_tokenizer_dir))
+    with pytest.raises(ValueError, match=r"^step 1: the loss is -inf, not a finite number"):
+        trainer.train()
+    assert list(output.iterdir()) == []
+
+
+class PoisonGradient(TrainerCallback):
+    """From optimizer step `step` on, the gradient of the memory's first output projection is NaN (what a diverging
+    run gives while its loss still looks finite)."""
+
+    def __init__(self, model: torch.nn.Module, step: int):
+        self.name, param = next((name, param) for name, param in model.named_parameters()
+                                if name.endswith("output_weight"))
+        self.step, self.active = step, False
+        param.register_hook(lambda grad: torch.full_like(grad, math.nan) if self.active else grad)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.active = state.global_step + 1 >= self.step
+
+
+def assert_stopped_at_step_2(folder: Path) -> None:
+    """checkpoint-1, written before the bad step, is complete and finite; nothing was written after it."""
+    from safetensors.torch import load_file
+
+    assert sorted(path.name for path in folder.glob("checkpoint-*")) == ["checkpoint-1"]
+    assert checkpoint_problem(folder / "checkpoint-1") is None
+    weights = load_file(folder / "checkpoint-1" / "memory_model.safetensors")
+    assert all(torch.isfinite(tensor).all() for tensor in weights.values())
+    assert not (folder / "memory_model.safetensors").exists()
+
+
+def test_non_finite_gradients_stop_the_run_before_the_optimizer_step(tiny_qwen3_dir, rows, tmp_path):  # noqa: F811
+    """A finite loss with NaN gradients (step 2 of 3, gradient accumulation 2): stopped before the optimizer applies
+    them, naming the step and the parameter; the checkpoint of step 1 stays."""
+    trainer = make_trainer(tiny_qwen3_dir, tmp_path, rows, max_steps=3)
+    poison = PoisonGradient(trainer.model, step=2)
+    trainer.add_callback(poison)
+    with pytest.raises(ValueError, match=rf"^step 2: the gradient of {poison.name} holds nan or infinite values"):
+        trainer.train()
+    assert_stopped_at_step_2(tmp_path)

@@ -66,10 +66,10 @@ MAX_H5_EXPANSION = 1032
 # Arrow columns and torch tensors hold ids as int32: a larger id would wrap negative.
 MAX_TOKEN_ID = 2**31 - 1
 # The largest |reward| a store may hold. GRPO's advantages (`titans_hf.training.trainer.group_advantages`) subtract a
-# group's mean and divide by its standard deviation, in float32 (largest value 3.4e38): two rewards of 3e38 already
-# sum to inf and make the whole group NaN. Within +-1e9 every deviation from the mean is below 2e9, its square below
-# 4e18, and a sum of such squares stays below 3.4e38 for groups of up to 8e19 responses, more than any store holds;
-# the group sums behind the mean are smaller still. Rewards are scores, a scale of 1e9 loses no use.
+# group's mean and divide by its standard deviation, in float32 like the log-probabilities (largest value 3.4e38):
+# two rewards of 3e38 already sum to inf and make the whole group NaN. Within +-1e9 every deviation from the mean is
+# below 2e9, its square below 4e18, and a sum of such squares stays below 3.4e38 for groups of up to 8e19 responses,
+# more than any store holds; the group sums behind the mean are smaller still. Rewards are scores: 1e9 takes any scale.
 MAX_ABS_REWARD = 1e9
 # A key names a file (`<key>.bin`) or an HDF5 group: a plain name, never a path.
 KEY_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]*")
