@@ -240,7 +240,9 @@ def test_store_without_recorded_range_is_checked_lazily_and_by_vocab_size(tmp_pa
         (lambda m: m["keys"]["sequence"].update(sha256="abc"), r"meta.json: key 'sequence' records sha256 'abc', which is not 64 hex digits"),
         (lambda m: m["keys"]["sequence"].update(dtype=">u2"), r"meta.json: key 'sequence' has dtype >u2 \(big-endian\); stores hold values in this machine's native byte order only"),
         (lambda m: m.update(vocab_size=70_000), r"meta.json: key 'sequence' has dtype uint16, which holds ids up to 65535 only, but vocab_size is 70000"),
-        (lambda m: m.update(vocab_size=-3), r"meta.json: vocab_size must be a positive integer, got -3"),
+        (lambda m: m.update(vocab_size=-3), r"meta.json: vocab_size must be a positive integer up to .*, got -3"),
+        (lambda m: m.update(vocab_size=2**31 + 1), r"meta.json: vocab_size must be a positive integer up to 2147483648 "
+                                                   r"\(ids up to 2147483647\), got 2147483649"),
         (lambda m: m.update(pad_token_id=512), r"meta.json: pad_token_id 512 is not below vocab_size 512"),
         (lambda m: m.update(eos_token_id="0"), r"meta.json: eos_token_id must be a token id"),
         (lambda m: m.update(format_version=True), r"meta.json: format_version True is not supported"),
@@ -297,16 +299,63 @@ def test_vocab_size_of_the_model_is_checked_before_training(tmp_path):
     assert checksums(bin_store, legacy) == before
 
 
-@pytest.mark.parametrize("reward", ["NaN", "Infinity", "-Infinity", "1e39"])
-def test_non_finite_rewards_are_refused_at_prepare(tmp_path, tiny_tokenizer_dir, reward):
+@pytest.mark.parametrize("reward", ["NaN", "Infinity", "-Infinity", "1e39", "3e38", "-3e38", "1000000001", str(10**400)])
+def test_non_finite_or_overflowing_rewards_are_refused_at_prepare(tmp_path, tiny_tokenizer_dir, reward):
+    """Rewards float32 holds but GRPO's group mean and standard deviation would overflow (3e38: the sum of two is
+    inf) are refused like NaN, naming the line; the bound is MAX_ABS_REWARD = 1e9."""
     source = tmp_path / "grpo.jsonl"
     source.write_text('{"prompt": "p", "responses": ["a"], "rewards": [1.0]}\n'
                       f'{{"prompt": "p", "responses": ["a", "b"], "rewards": [0.5, {reward}]}}\n')
     before = checksums(source)
-    with pytest.raises(ValueError, match=r"grpo.jsonl:2: field 'rewards' holds .*; rewards must be finite"):
+    with pytest.raises(ValueError, match=r"^\S*grpo.jsonl:2: field 'rewards' holds .*; rewards must be finite numbers in "
+                                         r"\[-1e\+09, 1e\+09\]"):
         prepare(source, tmp_path / "out_bin", tiny_tokenizer_dir, train_type="grpo")
     assert checksums(source) == before
     assert sorted(path.name for path in tmp_path.iterdir()) == ["grpo.jsonl"]
+
+
+def test_rewards_at_the_bound_are_prepared(tmp_path, tiny_tokenizer_dir):
+    source = write_jsonl(tmp_path / "grpo.jsonl", [{"prompt": "p", "responses": ["a", "b"], "rewards": [-1e9, 1e9]}])
+    [store] = prepare(source, tmp_path / "out_bin", tiny_tokenizer_dir, train_type="grpo")
+    assert open_store(store).segment("rewards", 0).tolist() == [-1e9, 1e9]
+
+
+def test_rewards_beyond_the_bound_in_a_store_are_refused_at_open(tmp_path):
+    """A store written by hand or by an older version, holding rewards float32 holds but GRPO cannot use: refused at
+    open, naming the file, and the position and record (its rewards are scanned whole: they are few), or the range
+    its meta records."""
+    grpo = {"prompts": [[1], [2]], "responses": [[3, 0], [4, 0], [5, 0]], "masks": [[1, 1]] * 3,
+            "rewards": [[0.5], [1.5, -2.0]]}
+    legacy = edit_meta(make_store(tmp_path / "old_bin", grpo), strip_recorded)
+    np.array([0.5, 1.5, -3e38], np.float32).tofile(legacy / "rewards.bin")
+    contradicted = make_store(tmp_path / "lie_bin", grpo)  # records [-2.0, 1.5], holds 1e9
+    np.array([0.5, 1.5, 1e9], np.float32).tofile(contradicted / "rewards.bin")
+    recorded = edit_meta(make_store(tmp_path / "new_bin", grpo), lambda m: m["keys"]["rewards"].update(min=-3e38))
+    huge = edit_meta(make_store(tmp_path / "huge_bin", grpo), lambda m: m["keys"]["rewards"].update(max=10**400))
+    hand = tmp_path / "hand.h5"
+    shutil.copy(make_store(tmp_path / "model.h5", grpo), hand)
+    with h5py.File(hand, "a") as file:
+        for field in ("min", "max", "sha256"):
+            del file["rewards"].attrs[field]
+        for name, values in (("0", [0.5]), ("1", [1.5, 2e9])):  # float64, as a hand-written store may hold
+            del file["rewards"][name]
+            file["rewards"].create_dataset(name, data=np.array(values, np.float64))
+    before = checksums(legacy, contradicted, recorded, huge, hand)
+    with pytest.raises(ValueError, match=r"^\S*old_bin/rewards.bin: key 'rewards' holds -3[.0-9]*e\+38 at position 2, "
+                                         r"not a finite number in \[-1e\+09, 1e\+09\].* \(record 1\)$"):
+        open_store(legacy)
+    with pytest.raises(ValueError, match=r"^\S*lie_bin/rewards.bin: key 'rewards' holds 1000000000.0 at position 2, "
+                                         r"outside \[-2.0, 1.5\], the range \S*meta.json records for it \(record 1\)$"):
+        open_store(contradicted)
+    with pytest.raises(ValueError, match=r"^\S*new_bin/meta.json: key 'rewards' records values \[-3e\+38, 1.5\], not "
+                                         r"a finite number in \[-1e\+09, 1e\+09\]"):
+        open_store(recorded)
+    with pytest.raises(ValueError, match=r"^\S*huge_bin/meta.json: key 'rewards' records values \[-2.0, 1000"):
+        open_store(huge)
+    with pytest.raises(ValueError, match=r"^\S*hand.h5:/rewards: key 'rewards' holds 2000000000.0 at position 2, .*"
+                                         r"\(record 1\)$"):
+        open_store(hand)
+    assert checksums(legacy, contradicted, recorded, huge, hand) == before
 
 
 def test_grpo_group_without_responses_is_refused_at_prepare(tmp_path, tiny_tokenizer_dir):
@@ -321,7 +370,7 @@ def test_non_finite_rewards_empty_groups_and_bad_masks_are_refused_at_open(tmp_p
     nan_store = make_store(tmp_path / "nan_bin", grpo)
     np.array([0.5, math.nan], np.float32).tofile(nan_store / "rewards.bin")
     edit_meta(nan_store, strip_recorded)
-    with pytest.raises(ValueError, match=r"rewards.bin: key 'rewards' holds nan at position 1, not a finite number"):
+    with pytest.raises(ValueError, match=r"rewards.bin: key 'rewards' holds nan at position 1, not a finite number.* \(record 1\)"):
         TokenExamples(open_store(nan_store), "grpo")[1]
     recorded_nan = edit_meta(make_store(tmp_path / "nan2_bin", grpo), lambda m: m["keys"]["rewards"].update(max=math.nan))
     with pytest.raises(ValueError, match=r"meta.json: key 'rewards' records values \[0.5, nan\], not a finite number"):
@@ -345,6 +394,7 @@ def test_non_finite_rewards_empty_groups_and_bad_masks_are_refused_at_open(tmp_p
         ("sequence", [1.5], r"key 'sequence' holds integers, got values of dtype float64"),
         ("loss_mask", [0, 3], r"key 'loss_mask' value 3 is outside \[0, 1\]"),
         ("rewards", [1.0, math.inf], r"key 'rewards' value inf is not a finite number"),
+        ("rewards", [1.0, 3e38], r"key 'rewards' value 3[.0-9]*e\+38 is not a finite number in \[-1e\+09, 1e\+09\]"),
     ],
 )
 def test_writer_refuses_what_a_reader_would_refuse(tmp_path, key, values, message):

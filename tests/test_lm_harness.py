@@ -94,3 +94,37 @@ def test_lm_eval_keeps_a_users_results_file_even_with_overwrite(tmp_path, tiny_q
         cli_main(["lm-eval", "--model", str(tiny_qwen3_dir), "--tasks", "tiny_ll", "--include-path", str(tasks),
                   "--output", str(output), "--overwrite"])
     assert (output / "lm_eval_results.json").read_text() == '{"mine": true}\n'
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--batch-size", "0"], r"--batch-size 0: must be at least 1"),
+    (["--batch-size", "-4"], r"--batch-size -4: must be at least 1"),
+    (["--num-fewshot", "-1"], r"--num-fewshot -1: must be at least 0"),
+    (["--limit", "0"], r"--limit 0\.0: must be a count of documents \(1, 2, \.\.\.\) or a fraction in \(0, 1\)"),
+    (["--limit", "-1"], r"--limit -1\.0: must be a count of documents"),
+    (["--limit", "nan"], r"--limit nan: must be a count of documents"),
+    (["--limit", "inf"], r"--limit inf: must be a count of documents"),
+    (["--limit", "2.5"], r"--limit 2\.5: must be a count of documents"),
+    (["--seed", "-1"], r"--seed -1: must be in \[0, 4294967295\]"),
+    (["--num-fewshot", "6"], r"--num-fewshot 6: task tiny_ll has 5 few-shot examples to draw from"),
+])
+def test_lm_eval_names_a_bad_flag_before_loading_anything(tmp_path, tiny_qwen3_dir, tasks, flags, message):
+    """Each flag lm-eval would take silently (a negative count), or fail on with its own words, is one error naming
+    the flag, before the model loads or anything is written."""
+    output = tmp_path / "out"
+    with pytest.raises(ValueError, match=rf"^{message}"):
+        cli_main(["lm-eval", "--model", str(tiny_qwen3_dir), "--tasks", "tiny_ll", "--include-path", str(tasks),
+                  "--output", str(output), *flags])
+    assert not output.exists()
+
+
+def test_lm_eval_takes_every_shot_a_task_has_and_a_whole_limit(tmp_path, tiny_qwen3_dir, tasks):
+    """The bounds are lm-eval's own: 5 shots from a task of 5 documents (drawn from its test split, which is not set
+    aside as a few-shot split) and a limit of 2 documents run."""
+    folder = tmp_path / "memory"
+    build(tiny_qwen3_dir, **VARIANT_SETTINGS["mag"]).save_pretrained(folder)
+    assert cli_main(["lm-eval", "--model", str(folder), "--tasks", "tiny_ll", "--include-path", str(tasks),
+                     "--output", str(tmp_path / "out"), "--num-fewshot", "5", "--limit", "2", "--log-samples"]) == 0
+    results = json.loads((tmp_path / "out" / "lm_eval_results.json").read_text())
+    assert results["n-shot"]["tiny_ll"] == 5
+    assert len(results["samples"]["tiny_ll"]) == 2

@@ -6,12 +6,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
+from typing import Any
 
 from titans_hf.utils import atomic_write_json, prepare_output_dir, record_outputs
 
 from .arguments import add_model_arguments
 
 RESULTS_NAME = "lm_eval_results.json"
+# numpy's seed (lm-eval seeds numpy with --seed) is an unsigned 32-bit integer
+MAX_SEED = 2**32 - 1
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -45,7 +49,41 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=lm_eval_command)
 
 
+def _check_arguments(args: argparse.Namespace) -> None:
+    """The counts lm-eval would take silently (a negative batch or number of shots) or fail on in its own words (a
+    limit of 0, NaN or 2.5, a negative seed), each refused naming its flag, before anything loads."""
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size {args.batch_size}: must be at least 1")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise ValueError(f"--num-fewshot {args.num_fewshot}: must be at least 0")
+    limit = args.limit
+    if limit is not None and not (0 < limit < 1 or (math.isfinite(limit) and limit >= 1 and limit.is_integer())):
+        raise ValueError(f"--limit {limit}: must be a count of documents (1, 2, ...) or a fraction in (0, 1)")
+    if not 0 <= args.seed <= MAX_SEED:
+        raise ValueError(f"--seed {args.seed}: must be in [0, {MAX_SEED}]")
+
+
+def _check_fewshot(task_manager: Any, args: argparse.Namespace) -> None:
+    """Refuse --num-fewshot above what a task can draw (lm-eval would stop mid-run, "Sample larger than population"):
+    its few-shot documents, less the document asked about when they are its own evaluation split. A task whose
+    configuration fixes 0 shots keeps them (lm-eval ignores --num-fewshot there)."""
+    if not args.num_fewshot:
+        return
+    for name, task in task_manager.load(args.tasks)["tasks"].items():
+        if task.get_config("num_fewshot") == 0:
+            continue
+        docs = task.fewshot_docs()
+        available = 0 if docs is None else len(docs)
+        # drawn from the evaluation split itself, the document asked about is set aside: one more is drawn
+        own_split = getattr(getattr(task, "fewshot_cfg", None), "split", None) == task.get_config("test_split")
+        if args.num_fewshot + own_split > available:
+            raise ValueError(f"--num-fewshot {args.num_fewshot}: task {name} has {available} few-shot examples to "
+                             f"draw from{', less the document asked about' if own_split else ''}; ask for at most "
+                             f"{max(available - own_split, 0)}")
+
+
 def lm_eval_command(args: argparse.Namespace) -> int:
+    _check_arguments(args)
     try:
         from lm_eval import simple_evaluate
         from lm_eval.models.huggingface import HFLM
@@ -60,6 +98,7 @@ def lm_eval_command(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"titans-hf lm-eval: no lm-eval task or group is called {unknown}"
                          + ("" if args.include_path else " (your own tasks' folder goes to --include-path)"))
+    _check_fewshot(task_manager, args)
     output = prepare_output_dir(args.output, (RESULTS_NAME,), overwrite=args.overwrite)
     model, tokenizer = load_model_for_eval(args.model, args.memory, args.tokenizer, args.dtype, args.device)
     lm = HFLM(pretrained=model.eval(), tokenizer=tokenizer, backend="causal", batch_size=args.batch_size)

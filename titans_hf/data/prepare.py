@@ -10,7 +10,8 @@ Inputs, per train type (one record per `.jsonl` line or `datasets` row; a `.txt`
 - `dpo`:  `chosen`, `rejected` (+ `prompt`) -> `chosen`, `rejected`, `chosen_mask`, `rejected_mask`
                                               (the prompt, when given, leads both with mask 0)
 - `grpo`: `prompt`, `responses`, `rewards` -> `prompts`, `responses`, `masks`, `rewards` (float32);
-          at least one response per group, rewards finite
+          at least one response per group, rewards finite and within +-`MAX_ABS_REWARD` (1e9: beyond it
+          GRPO's group mean and standard deviation can overflow in float32; see `titans_hf.data.stores`)
 
 Text is encoded without special tokens by the `AutoTokenizer` named (batched, optionally over
 `num_proc` processes); EOS ends every document, response and completion, so documents of one
@@ -31,7 +32,6 @@ import codecs
 import collections
 import functools
 import json
-import math
 import multiprocessing
 import re
 from multiprocessing.pool import ThreadPool
@@ -42,6 +42,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from titans_hf.data.stores import (
+    MAX_ABS_REWARD,
     STORE_WRITERS,
     StoreWriter,
     key_kind,
@@ -144,13 +145,10 @@ def _read_blocks(path: Path) -> Iterator[str]:
         raise ValueError(_utf8_problem(path)) from error
 
 
-def _storable_reward(reward: float) -> bool:
-    """Whether a reward survives as a finite float32 (NaN, infinities and 1e39 do not)."""
-    try:
-        value = float(reward)
-    except OverflowError:
-        return False
-    return math.isfinite(value) and abs(value) <= float(np.finfo(np.float32).max)
+def _usable_reward(reward: float) -> bool:
+    """Whether a reward is finite and within +-MAX_ABS_REWARD, where GRPO's advantages cannot overflow (NaN, infinities,
+    3e38, which float32 holds but two of which sum to inf, and integers too large for a float are not)."""
+    return -MAX_ABS_REWARD <= reward <= MAX_ABS_REWARD  # NaN compares false; an int of any size compares exactly
 
 
 def _string_fields(record: dict[str, Any], fields: Iterable[str], where: str) -> None:
@@ -213,10 +211,10 @@ def _check_record(
             isinstance(reward, (int, float)) and not isinstance(reward, bool) for reward in rewards
         ):
             raise ValueError(f"{where}: field 'rewards' must be a list of numbers")
-        if not all(_storable_reward(reward) for reward in rewards):
-            raise ValueError(
-                f"{where}: field 'rewards' holds {rewards}; rewards must be finite numbers float32 can hold (no NaN or infinity)"
-            )
+        if not all(_usable_reward(reward) for reward in rewards):
+            raise ValueError(f"{where}: field 'rewards' holds {rewards!s:.200}; rewards must be finite numbers in "
+                             f"[{-MAX_ABS_REWARD:g}, {MAX_ABS_REWARD:g}] (larger ones overflow GRPO's advantages in "
+                             "float32)")
         if len(rewards) != len(responses):
             raise ValueError(f"{where}: {len(responses)} responses but {len(rewards)} rewards")
     return record

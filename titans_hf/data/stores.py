@@ -16,9 +16,14 @@ Layouts (both hold the same information):
 What each key records (stores written before these fields existed have none of them and still open):
 - `min`, `max`: the range of its values (null for an empty key), checked at open against what the
   key may hold (`ValueRule`): token ids in `[0, vocab_size - 1]` and below 2**31 (Arrow and torch
-  hold ids as int32, where a larger uint32 id would wrap negative), masks 0 or 1, finite rewards.
+  hold ids as int32, where a larger uint32 id would wrap negative), masks 0 or 1, rewards finite and within
+  `MAX_ABS_REWARD`.
 - `sha256`: `key_checksum` of its values and offsets, computed while writing; the `titans_tokens`
   cache key holds it, so a store rewritten with the same sizes and mtimes is still a new input.
+
+Float keys (rewards: one value per response, a small part of any store) are also scanned whole at open, so a
+reward that a store written by hand or by an older version holds beyond its rule is named, with its record, before
+any row is built (inside the datasets builder, an error at a row's read would reach the user wrapped).
 
 Beyond the recorded range, every read checks the values it returns against it (or, for a store
 that records none, against the key's `ValueRule`): a store whose data contradicts its metadata,
@@ -38,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import math
 import os
 import re
 import shutil
@@ -62,6 +66,12 @@ METADATA_FIELDS = ("train_type", "tokenizer", "vocab_size", "eos_token_id", "pad
 MAX_H5_EXPANSION = 1032
 # Arrow columns and torch tensors hold ids as int32: a larger id would wrap negative.
 MAX_TOKEN_ID = 2**31 - 1
+# The largest |reward| a store may hold. GRPO's advantages (`titans_hf.training.trainer.group_advantages`) subtract a
+# group's mean and divide by its standard deviation, in float32 like the log-probabilities (largest value 3.4e38):
+# two rewards of 3e38 already sum to inf and make the whole group NaN. Within +-1e9 every deviation from the mean is
+# below 2e9, its square below 4e18, and a sum of such squares stays below 3.4e38 for groups of up to 8e19 responses,
+# more than any store holds; the group sums behind the mean are smaller still. Rewards are scores: 1e9 takes any scale.
+MAX_ABS_REWARD = 1e9
 # A key names a file (`<key>.bin`) or an HDF5 group: a plain name, never a path.
 KEY_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]*")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -126,36 +136,33 @@ def _checked_dtype(dtype: Any, key: str, where: Any) -> np.dtype:
 
 @dataclass(frozen=True)
 class ValueRule:
-    """The values one key may hold: within `[low, high]` (and finite, for rewards); `why` says so in messages."""
+    """The values one key may hold: within the finite bounds `[low, high]`; `why` says so in messages."""
 
     low: float
     high: float
     why: str
-    finite: bool = False
 
     def allows(self, low: Any, high: Any) -> bool:
-        """Whether values whose minimum is `low` and maximum `high` all follow the rule (NaN never does)."""
-        if self.finite and not (math.isfinite(low) and math.isfinite(high)):
-            return False
+        """Whether values whose minimum is `low` and maximum `high` all follow the rule (NaN never does: it compares
+        false; a Python int of any size compares exactly)."""
         return bool(self.low <= low and high <= self.high)
 
     def first_violation(self, values: np.ndarray) -> int:
         """Index of the first value breaking the rule (call only when some value does)."""
-        bad = (values < self.low) | (values > self.high)
-        if self.finite:
-            bad |= ~np.isfinite(values)
-        return int(np.flatnonzero(bad)[0])
+        return int(np.flatnonzero(~((values >= self.low) & (values <= self.high)))[0])
 
     def within(self, low: Any, high: Any, where: Any) -> "ValueRule":
         """The narrower rule a recorded range `[low, high]` sets: reads outside it contradict the metadata."""
-        return ValueRule(low, high, f"outside [{low}, {high}], the range {where} records for it", self.finite)
+        return ValueRule(low, high, f"outside [{low}, {high}], the range {where} records for it")
 
 
 def value_rule(key: str, dtype: np.dtype, vocab_size: int | None, where: Any) -> ValueRule:
     """What `key` of `dtype` may hold in a store of `vocab_size` ids; a dtype too narrow for the vocabulary is an error."""
     kind = key_kind(key)
     if kind == "float":
-        return ValueRule(-math.inf, math.inf, "not a finite number (rewards must be finite)", finite=True)
+        return ValueRule(-MAX_ABS_REWARD, MAX_ABS_REWARD,
+                         f"not a finite number in [{-MAX_ABS_REWARD:g}, {MAX_ABS_REWARD:g}] (MAX_ABS_REWARD: larger "
+                         "rewards overflow GRPO's advantages in float32)")
     if kind == "mask":
         return ValueRule(0, 1, "outside [0, 1]: a mask holds 0 or 1")
     type_max = int(np.iinfo(dtype).max)
@@ -179,8 +186,9 @@ def _checked_metadata(metadata: dict[str, Any], where: Any) -> dict[str, Any]:
         if checked[field] is not None and not isinstance(checked[field], str):
             raise ValueError(f"{where}: field {field!r} must be a string, got {checked[field]!r}")
     vocab_size = checked["vocab_size"]
-    if vocab_size is not None and (not is_int(vocab_size) or vocab_size <= 0):
-        raise ValueError(f"{where}: vocab_size must be a positive integer, got {vocab_size!r}")
+    if vocab_size is not None and (not is_int(vocab_size) or not 0 < vocab_size <= MAX_TOKEN_ID + 1):
+        raise ValueError(f"{where}: vocab_size must be a positive integer up to {MAX_TOKEN_ID + 1} (ids up to "
+                         f"{MAX_TOKEN_ID}), got {vocab_size!r}")
     for field in ("eos_token_id", "pad_token_id"):
         value = checked[field]
         if value is None:
@@ -422,19 +430,30 @@ class TokenStore:
             raise KeyError(f"{self.path}: no key {key!r} (keys: {self.keys})")
         return key
 
+    def _check_float_keys(self) -> None:
+        """Check every value of the float keys against their rules (see the module docstring); call at open."""
+        for key in self.keys:
+            if key_kind(key) == "float":
+                for start, block in self._blocks(key):
+                    self._checked(key, block, start)
+        self.close()
+
     def _check_not_empty(self) -> None:
         if not self.dtypes or all(self.total_length(key) == 0 for key in self.dtypes):
             raise ValueError(f"{self.path}: empty store, it holds no tokens")
 
     def _checked(self, key: str, values: np.ndarray, start: int) -> np.ndarray:
-        """`values` (flat positions `start`, ...) if all follow the key's rule; else a ValueError at the first one."""
+        """`values` (flat positions `start`, ...) if all follow the key's rule; else a ValueError at the first one,
+        naming its position and record (segment: a grpo group's rewards are one record, one training row)."""
         if values.size == 0:
             return values
         rule = self._rules[key]
         if rule.allows(values.min(), values.max()):
             return values
-        index = rule.first_violation(values)
-        raise ValueError(f"{self._where(key)}: key {key!r} holds {values[index]} at position {start + index}, {rule.why}")
+        position = start + rule.first_violation(values)
+        record = int(np.searchsorted(self.offsets(key), position, side="right")) - 1
+        raise ValueError(f"{self._where(key)}: key {key!r} holds {values[position - start]} at position {position}, "
+                         f"{rule.why} (record {record})")
 
     def _read(self, key: str, start: int, stop: int) -> np.ndarray:
         raise NotImplementedError
@@ -506,6 +525,7 @@ class MmapStore(TokenStore):
         self._check_not_empty()
         self._maps: dict[str, np.memmap] = {}
         self._bytes_since_release = 0
+        self._check_float_keys()
 
     def _map(self, key: str) -> np.memmap:
         return np.memmap(self._files[key], dtype=self.dtypes[key], mode="r", shape=(self.total_length(key),))
@@ -577,6 +597,7 @@ class H5Store(TokenStore):
         self._file: h5py.File | None = None
         self._file_pid = -1
         self._shared: dict[str, Any] = {}
+        self._check_float_keys()
         if share_memory:
             self._share_memory()
 

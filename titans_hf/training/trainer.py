@@ -6,7 +6,8 @@ scheduler, RNG, trainer and sampler state, the tokenizer and the training argume
 gigabytes of a full-model checkpoint. Everything else is the stock Trainer, launched as a single process or with
 `accelerate launch --config_file titans_hf/accelerate/*.yaml`; the overrides are the Trainer's saving, loading and
 pushing hooks (`save_model`, `_save`, `_load_from_checkpoint`, `push_to_hub`), its sampler hook and the per-epoch
-sampler position, each calling the Trainer's own code where it has any.
+sampler position, each calling the Trainer's own code where it has any. A step whose loss or gradients are not finite
+stops the run before anything is saved from it (`FiniteSteps`).
 """
 
 from __future__ import annotations
@@ -312,7 +313,50 @@ class CompiledChunks:
         return accelerator_args
 
 
-class TitansTrainer(CompiledChunks, Trainer):
+class FiniteSteps:
+    """A Trainer hook (TitansTrainer's and the TRL trainers'): a step whose loss or gradients are not finite stops the
+    run with a ValueError naming the step and what was not finite, after its backward and before the optimizer
+    applies it, so no checkpoint and no final memory is ever written from weights a NaN reached (a checkpoint of an
+    earlier step stays: it is valid). The Trainer alone goes on: it logs a non-finite loss as the mean of the earlier
+    ones, and the optimizer turns NaN gradients into NaN weights, which every loader then refuses.
+
+    The public `training_step` is overridden: each micro-batch's loss is checked as it comes back (the Trainer reads
+    it on the host anyway); at the step's last micro-batch, when the gradients are complete (and reduced across
+    processes), so are the trainable parameters' gradients, in one read of the device. The verdict is summed over
+    processes, so that all of them stop at the same step (under FSDP each holds a shard of the gradients)."""
+
+    _step_problem: str | None = None  # what the micro-batches of the current step found not finite
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self._step_problem is None and not bool(torch.isfinite(loss).all()):
+            self._step_problem = f"the loss is {loss.float().max().item()}, not a finite number"
+        if self.accelerator.sync_gradients:
+            problem, self._step_problem = self._step_problem or self._gradient_problem(), None
+            stopped = self.accelerator.reduce(torch.tensor(float(problem is not None), device=self.args.device))
+            if stopped.item():
+                raise ValueError(f"step {self.state.global_step + 1}: "
+                                 f"{problem or 'another process found a loss or gradients that are not finite'}; the "
+                                 "run stops before the optimizer applies it, so nothing is saved from this step on "
+                                 "(check this step's rows, e.g. rewards or labels, or lower the learning rate)")
+        return loss
+
+    def _gradient_problem(self) -> str | None:
+        """Which trainable parameters' gradients hold NaN or infinite values (this process's shards), or None."""
+        named = [(name, param.grad) for name, param in self.model.named_parameters() if param.grad is not None]
+        if not named:
+            return None
+        local = [grad.to_local() if hasattr(grad, "to_local") else grad for _, grad in named]  # an FSDP2 DTensor
+        flags = torch.stack([torch.isfinite(grad).all().to(local[0].device) for grad in local]).tolist()
+        bad = [name for (name, _), finite in zip(named, flags) if not finite]
+        if not bad:
+            return None
+        more = f" (and those of {len(bad) - 1} more parameters)" if len(bad) > 1 else ""
+        return f"the gradient of {bad[0]} holds nan or infinite values{more}"
+
+
+class TitansTrainer(FiniteSteps, CompiledChunks, Trainer):
     """Trainer for the memory of a frozen base: global resumable sampler (or length curriculum), chunk-padding
     collator, memory-only checkpoints that resume exactly, memory-only pushes with a model card.
 

@@ -9,6 +9,7 @@ what TRL cannot know about a memory:
 - the rows of a `titans_tokens` dpo store, already in TRL's tokenized columns, which `trl.DPOTrainer` would try to
   tokenize again;
 - `torch_compile`: the chunk step compiled (`compile_chunks`), not the whole forward (`CompiledChunks`);
+- a step whose loss or gradients are not finite stops the run before anything is saved from it (`FiniteSteps`);
 - the reference of DPO (`ref_model=None`) and of GRPO (`beta > 0`): the same model with its memory switched off
   (`TitansQwenForCausalLM.memory_off_reference()`: the frozen base read chunk by chunk, on the policy's own weights)
   instead of a second copy of the base loaded from `config.name_or_path`. Memory off rather than the memory at its
@@ -27,7 +28,7 @@ from trl.trainer.utils import add_fused_lm_head
 
 from titans_hf.modeling import TitansQwenForCausalLM
 
-from .trainer import CompiledChunks, load_memory_checkpoint
+from .trainer import CompiledChunks, FiniteSteps, load_memory_checkpoint
 
 
 # the columns of a tokenized DPO row, as TRL 1.16's collator reads them (and a titans_tokens dpo store yields them)
@@ -54,11 +55,12 @@ def _memory_off_reference(model: nn.Module, sync_ref_model: bool):
     return model.memory_off_reference()
 
 
-class TitansSFTTrainer(MemoryCheckpoints, CompiledChunks, trl.SFTTrainer):
-    """`trl.SFTTrainer` that resumes from a memory's checkpoints; `torch_compile` compiles its chunk step."""
+class TitansSFTTrainer(MemoryCheckpoints, FiniteSteps, CompiledChunks, trl.SFTTrainer):
+    """`trl.SFTTrainer` that resumes from a memory's checkpoints and stops at a step that is not finite;
+    `torch_compile` compiles its chunk step."""
 
 
-class TitansDPOTrainer(MemoryCheckpoints, CompiledChunks, trl.DPOTrainer):
+class TitansDPOTrainer(MemoryCheckpoints, FiniteSteps, CompiledChunks, trl.DPOTrainer):
     """`trl.DPOTrainer` that resumes from a memory's checkpoints and whose default reference (`ref_model=None`) is
     the policy with its memory switched off: no second model loads."""
 
@@ -80,7 +82,7 @@ class TitansDPOTrainer(MemoryCheckpoints, CompiledChunks, trl.DPOTrainer):
         return dataset
 
 
-class TitansGRPOTrainer(MemoryCheckpoints, CompiledChunks, trl.GRPOTrainer):
+class TitansGRPOTrainer(MemoryCheckpoints, FiniteSteps, CompiledChunks, trl.GRPOTrainer):
     """`trl.GRPOTrainer` that resumes from a memory's checkpoints and, with `beta > 0`, scores the KL term against the
     policy with its memory switched off (TRL 1.16 takes no `ref_model`: the base it loads is dropped again)."""
 
