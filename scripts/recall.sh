@@ -36,7 +36,8 @@ echo "stand-in base and data ready at $((SECONDS - started))s"
 $titans train --model_name_or_path "$out/base" --dataset titans_tokens \
   --data_files "$out/data/train_seq" --eval_data_files "$out/data/eval_seq" \
   --window_size $window --respect_document_boundaries --pad_tail \
-  --chunk_size 32 --memory_num_heads 4 --memory_head_dim 16 --conv_kernel 6 --memory_chunk_size 8 --max_lr 1.0 \
+  --chunk_size 32 --memory_num_heads 4 --memory_head_dim 16 --conv_kernel 6 --memory_chunk_size 8 \
+  --update_rule gradient --max_lr 1.0 --forget_bias_init -4 \
   --checkpoint_chunks false \
   --per_device_train_batch_size 16 --gradient_accumulation_steps 1 --max_steps "${MAX_STEPS:-1200}" \
   --learning_rate 1e-2 --lr_scheduler_type constant_with_warmup --warmup_steps 20 --weight_decay 0 \
