@@ -29,7 +29,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--chunk-size", type=length, default=32, help="attention segment in tokens")
     parser.add_argument("--train-chunks", type=int, nargs="+", default=[0, 4, 8, 16],
                         help="input lengths trained on, in chunks (0 = bare stories)")
-    parser.add_argument("--eval-chunks", type=int, nargs="+", default=[4, 32, 256],
+    parser.add_argument("--eval-chunks", type=int, nargs="+", default=[4, 256, 1024],
                         help="input lengths evaluated, in chunks")
     parser.add_argument("--pretrain-steps", type=int, default=800, help="stage a: steps of the stand-in base")
     parser.add_argument("--entity-share", type=float, default=0.5,
