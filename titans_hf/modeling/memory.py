@@ -561,7 +561,7 @@ class NeuralMemory(nn.Module):
         ``G_j = (diag(2 theta) K_j)^T (K_j - V_j + K_j W)`` is two products at the gradient point, and its reads are
         linear in the weights, so the scan writes (two products and a few [d, d] operations per update chunk) and the
         reads of all chunks are one product after it."""
-        C, m, clip, (BH, N, d) = self.chunk_size, self.chunks_per_batch, self.max_surprise_norm, q.shape
+        C, m, clip, N = self.chunk_size, self.chunks_per_batch, self.max_surprise_norm, q.shape[1]
         n_full = N // C
         (W,), (S,), (point,) = weights, momentum, grad_point
         whole = lambda t: t[:, :n_full * C].unflatten(1, (n_full, C))  # noqa: E731
@@ -581,16 +581,9 @@ class NeuralMemory(nn.Module):
             (W,), (S,) = _keep_rows_without_tokens([torch.addcmul(new_S, keeps[j], W)], [new_S], [W], [S], valids[j])
             if (first_chunk + j + 1) % m == 0:
                 point = W
-        reads = []
-        if n_full:
-            queries, stacked = whole(q).flatten(0, 1), torch.stack(read_weights, dim=1).flatten(0, 1)
-            reads.append(torch.baddbmm(queries, queries, stacked).view(BH, n_full * C, d))
-        if N > n_full * C:
-            rest = q[:, n_full * C:]
-            reads.append(torch.baddbmm(rest, rest, W))
+        reads = _linear_reads(q, read_weights, W, C)
         weights = [W]
-        return (torch.cat(reads, dim=1) if len(reads) > 1 else reads[0], weights, [S],
-                weights if point is W else [point])
+        return reads, weights, [S], weights if point is W else [point]
 
     def _scan_delta(self, q: Tensor, k: Tensor, v: Tensor, lr2: Tensor, etas: Sequence[Tensor],
                     keeps: Sequence[Tensor], valids: Sequence[Tensor | None], weights: list[Tensor],
@@ -603,7 +596,7 @@ class NeuralMemory(nn.Module):
         at once before the loop, then ``W_j = (1 - alpha_j) W_{j-1} + K_j^T U_j`` rescaled to norm
         ``max_memory_norm`` where it exceeds it. The loop holds two products a chunk; the reads of all chunks are one
         product after it. Momentum is not used (it stays as it came)."""
-        C, cap, (BH, N, d) = self.chunk_size, self.max_memory_norm, q.shape
+        C, cap, (N, d) = self.chunk_size, self.max_memory_norm, q.shape[1:]
         n_full = N // C
         (W,), (S,) = weights, momentum
         whole = lambda t: t[:, :n_full * C].unflatten(1, (n_full, C))  # noqa: E731
@@ -620,15 +613,9 @@ class NeuralMemory(nn.Module):
             norm = torch.linalg.vector_norm(new_W, dim=(-2, -1), keepdim=True)
             new_W = new_W * (cap / norm.clamp(min=cap))
             (W,), _ = _keep_rows_without_tokens([new_W], [S], [W], [S], valids[j])
-        reads = []
-        if n_full:
-            queries, stacked = whole(q).flatten(0, 1), torch.stack(read_weights, dim=1).flatten(0, 1)
-            reads.append(torch.baddbmm(queries, queries, stacked).view(BH, n_full * C, d))
-        if N > n_full * C:
-            rest = q[:, n_full * C:]
-            reads.append(torch.baddbmm(rest, rest, W))
+        reads = _linear_reads(q, read_weights, W, C)
         weights = [W]
-        return torch.cat(reads, dim=1) if len(reads) > 1 else reads[0], weights, [S], weights
+        return reads, weights, [S], weights
 
     # ---- forward ----
 
@@ -703,6 +690,22 @@ class NeuralMemory(nn.Module):
             position=state.position + T,
         )
         return out, new_state
+
+
+def _linear_reads(q: Tensor, read_weights: list[Tensor], W: Tensor, chunk: int) -> Tensor:
+    """The linear memory's reads ``q + q W_j`` of queries `q` [rows, N, d]: the whole chunks' with the weights each
+    started with (`read_weights`, one [rows, d, d] a chunk) as one batched product, an unfinished chunk's with `W`."""
+    rows, N, d = q.shape
+    n_full = len(read_weights)
+    reads = []
+    if n_full:
+        queries = q[:, :n_full * chunk].unflatten(1, (n_full, chunk)).flatten(0, 1)
+        stacked = torch.stack(read_weights, dim=1).flatten(0, 1)
+        reads.append(torch.baddbmm(queries, queries, stacked).view(rows, n_full * chunk, d))
+    if N > n_full * chunk:
+        rest = q[:, n_full * chunk:]
+        reads.append(torch.baddbmm(rest, rest, W))
+    return torch.cat(reads, dim=1) if len(reads) > 1 else reads[0]
 
 
 def _keep_rows_without_tokens(new_weights, new_momentum, weights, momentum, valid: Tensor | None):
