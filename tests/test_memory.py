@@ -101,6 +101,33 @@ def delta_memory(max_memory_norm: float = 3.0, **settings) -> NeuralMemory:
     return randomise(NeuralMemory(**settings, update_rule="delta", max_memory_norm=max_memory_norm).double(), 7)
 
 
+def padded_pieces_match_reference(mem: NeuralMemory) -> MemoryState:
+    """Stream two rows of 30 tokens (row 0 padded from token 22, row 1 before token 9: two chunks of 4 without a real
+    token) through `mem` in pieces that end mid-chunk; assert reads and outer gradients equal the per-token
+    reference, that the memory wrote, and that the same stream without grad gives the same bits. Returns the state."""
+    hidden = torch.randn(2, 30, 12, dtype=torch.double)
+    mask = torch.ones(2, 30)
+    mask[0, 22:] = 0
+    mask[1, :9] = 0
+    probe = torch.randn(2, 30, 8, dtype=torch.double)
+
+    def streamed():
+        return streamed_in_pieces(mem, hidden, mask, (3, 6, 1, 13, 7))
+
+    reads, state = streamed()
+    expected = reference(mem, hidden, mask)
+    torch.testing.assert_close(reads, expected, rtol=0, atol=1e-10)
+    for got, want in zip(param_grads(mem, reads, probe), param_grads(mem, expected, probe)):
+        torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9)
+    assert not torch.allclose(expected[:, -1], memory_read_without_updates(mem, hidden)[:, -1])
+    with torch.no_grad():
+        reads_no_grad, state_no_grad = streamed()
+    torch.testing.assert_close(reads_no_grad, reads, rtol=0, atol=0)
+    for key, value in state.state_dict().items():
+        torch.testing.assert_close(state_no_grad.state_dict()[key], value, rtol=0, atol=0, msg=key)
+    return state
+
+
 def streamed_in_pieces(mem: NeuralMemory, hidden: torch.Tensor, mask: torch.Tensor | None, sizes: tuple[int, ...]):
     """Feed `hidden` (and `mask`) to `mem` in pieces of `sizes`, carrying the state; the joined reads and last state."""
     state, pieces, start = None, [], 0
@@ -196,26 +223,7 @@ def test_linear_memory_affine_scan_streamed_with_padding_matches_reference(batch
     mem = randomise(NeuralMemory(12, 2, 4, depth=1, conv_kernel=3, chunk_size=4, batch_size=batch, max_lr=0.5,
                                  max_surprise_norm=0.05, theta_bias_init=0.0).double(), 5)
     assert mem.affine
-    hidden = torch.randn(2, 30, 12, dtype=torch.double)
-    mask = torch.ones(2, 30)
-    mask[0, 22:] = 0
-    mask[1, :9] = 0  # chunks 0 and 1 without a real token
-    probe = torch.randn(2, 30, 8, dtype=torch.double)
-
-    def streamed():
-        return streamed_in_pieces(mem, hidden, mask, (3, 6, 1, 13, 7))
-
-    reads, state = streamed()
-    expected = reference(mem, hidden, mask)
-    torch.testing.assert_close(reads, expected, rtol=0, atol=1e-10)
-    for got, want in zip(param_grads(mem, reads, probe), param_grads(mem, expected, probe)):
-        torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9)
-    assert not torch.allclose(expected[:, -1], memory_read_without_updates(mem, hidden)[:, -1])
-    with torch.no_grad():
-        reads_no_grad, state_no_grad = streamed()
-    torch.testing.assert_close(reads_no_grad, reads, rtol=0, atol=0)
-    for key, value in state.state_dict().items():
-        torch.testing.assert_close(state_no_grad.state_dict()[key], value, rtol=0, atol=0, msg=key)
+    padded_pieces_match_reference(mem)
 
 
 @pytest.mark.parametrize("batch", [16, 32, 48])
@@ -555,20 +563,7 @@ def test_delta_rule_matches_per_token_reference_with_padding_and_pieces(chunk, c
     gate and the norm cap (a small cap binds, a large one does not); outer gradients too; no grad, the same bits."""
     torch.manual_seed(0)
     mem = delta_memory(cap, chunk_size=chunk)
-    hidden = torch.randn(2, 30, 12, dtype=torch.double)
-    mask = torch.ones(2, 30)
-    mask[0, 22:] = 0
-    mask[1, :9] = 0
-    probe = torch.randn(2, 30, 8, dtype=torch.double)
-    reads, state = streamed_in_pieces(mem, hidden, mask, (3, 6, 1, 13, 7))
-    expected = reference(mem, hidden, mask)
-    torch.testing.assert_close(reads, expected, rtol=0, atol=1e-10)
-    for got, want in zip(param_grads(mem, reads, probe), param_grads(mem, expected, probe)):
-        torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9)
-    assert not torch.allclose(expected[:, -1], memory_read_without_updates(mem, hidden)[:, -1])
-    with torch.no_grad():
-        reads_no_grad, state_no_grad = streamed_in_pieces(mem, hidden, mask, (3, 6, 1, 13, 7))
-    torch.testing.assert_close(reads_no_grad, reads, rtol=0, atol=0)
+    state = padded_pieces_match_reference(mem)
     norms = torch.linalg.vector_norm(state.weights[0], dim=(-2, -1))
     assert (norms <= cap + 1e-9).all()
     if cap == 1.5:
