@@ -74,7 +74,7 @@ def bench_prepare(workdir: Path, total_chars: int, repeats: int) -> dict:
     from transformers import AutoTokenizer
 
     from titans_hf.data.prepare import prepare
-    from titans_hf.local_models import build_tokenizer
+    from titans_hf.testing_utils import build_tokenizer
 
     documents = synthetic_documents(total_chars)
     tokenizer_dir = workdir / "tokenizer"

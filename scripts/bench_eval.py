@@ -24,7 +24,6 @@ of batch size 1 (the script fails otherwise). Prints a table (answers per second
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import sys
@@ -35,12 +34,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from titans_hf.evaluation import prompt_ids, evaluate_babilong  # noqa: E402
-from titans_hf.local_models import build_qwen, build_tokenizer  # noqa: E402
+from titans_hf.files import atomic_write_json  # noqa: E402
 from titans_hf.modeling import TitansQwenForCausalLM  # noqa: E402
 from titans_hf.tasks.babilong import ACTORS, LOCATIONS, MOVE_VERBS, generate_babilong  # noqa: E402
+from titans_hf.tasks.babilong.evaluation import evaluate_babilong, prompt_ids  # noqa: E402
 from titans_hf.tasks.babilong.generate import distractor_sentence  # noqa: E402
-from titans_hf.utils import atomic_write_json  # noqa: E402
+from titans_hf.testing_utils import build_qwen, build_tokenizer  # noqa: E402
 
 MODES = {
     "batch size 1": dict(batch_size=1, mixed_length_batches=False),

@@ -1,4 +1,4 @@
-"""What a local base's fingerprint costs: the full one (`titans_hf.hub.base_fingerprint`: every byte of the weights,
+"""What a local base's fingerprint costs: the full one (`titans_hf.modeling.memory_folder.base_fingerprint`: every byte of the weights,
 config and tokenizer files) beside the sampled one it replaced (4 KiB at the start, middle and end of each tensor).
 
 A folder the size of a 0.5B-parameter model is built in a temporary folder: `--params` random bf16 values in
@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from titans_hf.hub import _sampled_base_fingerprint, base_fingerprint  # noqa: E402
+from titans_hf.modeling.memory_folder import _sampled_base_fingerprint, base_fingerprint  # noqa: E402
 
 
 def build_folder(folder: Path, params: int, tokenizer_mb: int, seed: int = 0) -> int:

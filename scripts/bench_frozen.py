@@ -23,7 +23,11 @@ from pathlib import Path
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from titans_hf.demo import build_demo_tokenizer, embedding_similarity, pretrain_base  # noqa: E402
+from titans_hf.commands.demo_job import (  # noqa: E402
+    build_demo_tokenizer,
+    embedding_similarity,
+    pretrain_base,
+)
 
 
 def configurations(num_layers: int) -> dict[str, list[str]]:

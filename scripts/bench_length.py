@@ -55,8 +55,8 @@ def reset_peak_memory() -> None:
 
 
 def run_eval(args: argparse.Namespace, chunks: int) -> dict:
-    from titans_hf.evaluation import evaluate_babilong, load_model_for_eval
     from titans_hf.tasks.babilong import generate_babilong
+    from titans_hf.tasks.babilong.evaluation import evaluate_babilong, load_model_for_eval
 
     model, tokenizer = load_model_for_eval(args.model, args.memory)
     chunk_size = model.config.memory_config.chunk_size
@@ -80,8 +80,8 @@ def run_eval(args: argparse.Namespace, chunks: int) -> dict:
 def run_stream(args: argparse.Namespace, tokens: int) -> dict:
     import torch
 
-    from titans_hf.evaluation import greedy_generation_config, prompt_ids, load_model_for_eval
     from titans_hf.tasks.babilong import generate_babilong
+    from titans_hf.tasks.babilong.evaluation import greedy_generation_config, load_model_for_eval, prompt_ids
 
     model, tokenizer = load_model_for_eval(args.model, args.memory)
     model.eval()

@@ -7,7 +7,7 @@
 2. Peak training memory at 2, 4 and 8 chunks (tiny config, frozen base), with and without chunk checkpointing.
 3. `generate` prefill (one new token) at 8k, 32k and 128k prompt tokens (`--long`: and 1M), chunks of 4096: time,
    tokens/s and peak memory (tiny config).
-4. The main job's stand-in (`titans_hf.demo`: a Qwen3 of hidden size 64 and 2 layers, chunks of 32 tokens attending
+4. The main job's stand-in (`titans_hf.commands.demo_job`: a Qwen3 of hidden size 64 and 2 layers, chunks of 32 tokens attending
    to themselves, its memory settings) at batch 1, forward only, best of 5: tokens/s with the memory, with the memory
    switched off (the same chunk loop), and the plain base with full attention, at 1024 and 4096 tokens.
 5. `--gpu`: the prepared device run (`scripts/device_bench.sh` runs it there; not yet run: no device lent so far),
@@ -35,7 +35,6 @@ import argparse
 import ctypes
 import json
 import os
-import statistics
 import sys
 import threading
 import time
@@ -259,7 +258,7 @@ def bench_prefill(lengths, chunk_size, device, dtype) -> list[dict]:
 def stand_in_models() -> tuple[Qwen3ForCausalLM, TitansQwenForCausalLM]:
     """The main job's stand-in base (random weights) and a TitansQwen with its memory settings around it."""
     # imported here: the demo pulls in the data stack (datasets, h5py), which the device run does without
-    from titans_hf.demo import MEMORY_SETTINGS, STAND_IN_BASE
+    from titans_hf.commands.demo_job import MEMORY_SETTINGS, STAND_IN_BASE
 
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=96, intermediate_size=2 * STAND_IN_BASE["hidden_size"],

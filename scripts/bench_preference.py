@@ -33,13 +33,13 @@ from transformers import AutoTokenizer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import titans_hf  # noqa: E402, F401  (registers the builders)
+from titans_hf.commands.demo_job import MEMORY_SETTINGS  # noqa: E402
 from titans_hf.data.collator import CompletionsCollator  # noqa: E402
 from titans_hf.data.prepare import prepare  # noqa: E402
-from titans_hf.demo import MEMORY_SETTINGS  # noqa: E402
-from titans_hf.local_models import build_qwen, build_tokenizer, pretrain_causal_lm  # noqa: E402
+from titans_hf.files import atomic_write_json  # noqa: E402
 from titans_hf.modeling import TitansQwenForCausalLM  # noqa: E402
+from titans_hf.testing_utils import build_qwen, build_tokenizer, pretrain_causal_lm  # noqa: E402
 from titans_hf.training import TitansTrainer, TitansTrainingArguments  # noqa: E402
-from titans_hf.utils import atomic_write_json  # noqa: E402
 
 WORDS = ["plum", "pear", "lime", "fig"]
 FILLER = ("the old clock struck noon while the river carried leaves past the mill . ships waited in the harbour "

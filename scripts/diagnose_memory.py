@@ -8,17 +8,17 @@ row whose fact names another place streams beside each row). Prints a summary, w
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from titans_hf.evaluation import load_model_for_eval  # noqa: E402
-from titans_hf.memory_diagnostics import diagnose_memory, plot_diagnostics  # noqa: E402
+from titans_hf.files import atomic_write_json
+from titans_hf.outputs import prepare_output_dir  # noqa: E402
 from titans_hf.tasks.babilong import generate_babilong, length_tokens  # noqa: E402
-from titans_hf.utils import atomic_write_json, prepare_output_dir  # noqa: E402
+from titans_hf.tasks.babilong.diagnostics import diagnose_memory, plot_diagnostics  # noqa: E402
+from titans_hf.tasks.babilong.evaluation import load_model_for_eval  # noqa: E402
 
 
 def main() -> int:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from titans_hf.utils import atomic_write, atomic_write_json  # noqa: E402
+from titans_hf.files import atomic_write, atomic_write_json  # noqa: E402
 
 GOAL_RATIO, GOAL_FIRST_CHUNK = 0.6, 0.02
 

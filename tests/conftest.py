@@ -18,7 +18,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from titans_hf.local_models import build_qwen, build_tokenizer  # noqa: E402
+from titans_hf.testing_utils import build_qwen, build_tokenizer  # noqa: E402
 
 ACTORS = ["John", "Mary", "Sandra", "Daniel"]
 LOCATIONS = ["bathroom", "bedroom", "garden", "hallway", "kitchen", "office"]

@@ -9,10 +9,10 @@ from datasets import load_dataset
 from transformers import AutoTokenizer
 
 import titans_hf  # noqa: F401  (registers titans_babilong)
-from titans_hf.data import babilong_builder
-from titans_hf.tasks.babilong import build_example, generate_babilong, train_eval_split
-from titans_hf.data.babilong_builder import TitansBabilong, build_babilong
 from titans_hf.data.collator import TitansDataCollator
+from titans_hf.tasks.babilong import build_example, generate_babilong, train_eval_split
+from titans_hf.tasks.babilong import builder as babilong_builder
+from titans_hf.tasks.babilong.builder import TitansBabilong, build_babilong
 
 ROWS = [
     {"input": "The ferryman waited. Mary went to the garden.", "question": "Where is Mary? ", "target": "garden",

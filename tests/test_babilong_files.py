@@ -19,7 +19,6 @@ from transformers import AutoTokenizer
 
 import titans_hf  # noqa: F401  (registers titans_babilong)
 from titans_hf.commands import main as cli_main
-from titans_hf.evaluation import babilong_files_by_task_length, evaluate_babilong
 from titans_hf.modeling.modeling_titans_qwen import TitansQwenForCausalLM
 from titans_hf.tasks.babilong import (
     LABELS_FROM_BABILONG,
@@ -32,6 +31,7 @@ from titans_hf.tasks.babilong import (
     read_babilong_file,
     train_eval_split,
 )
+from titans_hf.tasks.babilong.evaluation import babilong_files_by_task_length, evaluate_babilong
 
 
 def story(actor: str, place: str, other: str = "John", elsewhere: str = "office") -> dict[str, str]:

@@ -16,8 +16,8 @@ from transformers import AutoTokenizer
 from titans_hf.commands import main as cli_main
 from titans_hf.data.collator import CompletionsCollator
 from titans_hf.data.prepare import prepare
-from titans_hf.hub import MEMORY_WEIGHTS_NAME
 from titans_hf.modeling import TitansQwenForCausalLM
+from titans_hf.modeling.memory_folder import MEMORY_WEIGHTS_NAME
 from titans_hf.training import TitansTrainer, TitansTrainingArguments
 from titans_hf.training.trainer import completions_loss, group_advantages
 

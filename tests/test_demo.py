@@ -12,11 +12,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from titans_hf.tasks.babilong import ACTORS, LOCATIONS, MOVE_VERBS, OBJECTS, generate_babilong
 from titans_hf.commands import main as cli_main
-from titans_hf.demo import build_demo_tokenizer, domain_documents, run_demo
-from titans_hf.utils import replaceable_folder_problem
+from titans_hf.commands.demo_job import build_demo_tokenizer, domain_documents, run_demo
 from titans_hf.modeling import TitansQwenForCausalLM
+from titans_hf.outputs import replaceable_folder_problem
+from titans_hf.tasks.babilong import ACTORS, LOCATIONS, MOVE_VERBS, OBJECTS, generate_babilong
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -216,7 +216,7 @@ def test_demo_with_a_given_model_skips_stage_a(tiny_qwen3_dir, tmp_path):
 
 
 def test_goal_report_applies_each_bar_to_its_lengths():
-    from titans_hf.demo import goal_report
+    from titans_hf.commands.demo_job import goal_report
 
     def cell(memory, no_memory, not_last=None):
         return {"chance": 1 / 6, "no_memory": {"exact_match": no_memory},
@@ -239,8 +239,8 @@ def test_goal_report_applies_each_bar_to_its_lengths():
 
 
 def test_embedding_similarity_measures_whether_names_share_one_vector(tmp_path):
-    from titans_hf.demo import embedding_similarity
-    from titans_hf.local_models import build_qwen
+    from titans_hf.commands.demo_job import embedding_similarity
+    from titans_hf.testing_utils import build_qwen
 
     tokenizer = build_demo_tokenizer(tmp_path)
     model = build_qwen(tmp_path, vocab_size=len(tokenizer))

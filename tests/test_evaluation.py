@@ -11,18 +11,18 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from titans_hf.commands import main as cli_main
+from titans_hf.hub import render_memory_card
+from titans_hf.modeling.modeling_titans_qwen import TitansQwenForCausalLM
 from titans_hf.tasks.babilong import TASK_LABELS, generate_babilong, supporting_fact_spans, write_babilong_json
-from titans_hf.evaluation import (
-    prompt_ids,
-    distance_bucket,
+from titans_hf.tasks.babilong.evaluation import (
     babilong_files_by_task_length,
+    distance_bucket,
     evaluate_babilong,
     last_location_baseline,
     last_mentioned_label,
+    prompt_ids,
     score_predictions,
 )
-from titans_hf.hub import render_memory_card
-from titans_hf.modeling.modeling_titans_qwen import TitansQwenForCausalLM
 
 LOCATIONS = TASK_LABELS["qa1"]
 MEMORY_SETTINGS = dict(chunk_size=64, memory_head_dim=16, memory_chunk_size=8)

@@ -7,9 +7,8 @@ import hashlib
 import json
 import logging
 import os
-from pathlib import Path
-
 import re
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -20,11 +19,11 @@ from transformers import AutoTokenizer
 
 import titans_hf  # noqa: F401  (registers titans_babilong)
 from titans_hf.commands import main as cli_main
-from titans_hf.data.babilong_builder import build_babilong
-from titans_hf.evaluation import evaluate_babilong
-from titans_hf.local_models import build_tokenizer
 from titans_hf.modeling.modeling_titans_qwen import TitansQwenForCausalLM
 from titans_hf.tasks.babilong import build_example, generate_babilong, read_babilong_file
+from titans_hf.tasks.babilong.builder import build_babilong
+from titans_hf.tasks.babilong.evaluation import evaluate_babilong
+from titans_hf.testing_utils import build_tokenizer
 
 ROWS = [
     {"input": "Mary went to the garden. John moved to the office.", "question": "Where is Mary? ", "target": "garden"},
@@ -120,7 +119,7 @@ def test_eval_output_that_is_a_file_fails_before_any_work(tiny_qwen3_dir, tmp_pa
 
 
 def test_a_new_evaluation_never_leaves_an_old_results_json_beside_new_files(tiny_qwen3_dir, tmp_path, monkeypatch):
-    import titans_hf.evaluation as evaluation
+    import titans_hf.tasks.babilong.evaluation as evaluation
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
     model = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, chunk_size=64, memory_head_dim=16, memory_chunk_size=8)
@@ -174,7 +173,7 @@ def test_the_builder_names_the_row_whose_answer_does_not_fit_or_counts_the_cuts(
     assert isinstance(error.value.__cause__, ValueError)
     assert re.search(r"qa1/0k\.json, row 1 \(0-based\): answer 'kitchen garden office hallway bedroom bathroom' is 6 "
                      r"tokens but only \d fit", str(error.value.__cause__))
-    with caplog.at_level(logging.WARNING, logger="titans_hf.data.babilong_builder"):
+    with caplog.at_level(logging.WARNING, logger="titans_hf.tasks.babilong.builder"):
         dataset = build_babilong(cache_dir=str(tmp_path / "cache"), truncate_answers=True, **common)["train"]
     assert dataset.num_rows == 3
     assert any("cut the answers of 1 of 3 rows" in record.getMessage() for record in caplog.records)

@@ -23,9 +23,9 @@ from transformers import AutoTokenizer
 
 from titans_hf.data.prepare import prepare
 from titans_hf.data.tokens_builder import check_stores_tokenizer
-from titans_hf.hub import _legacy_base_fingerprint, _sampled_base_fingerprint, base_fingerprint
-from titans_hf.local_models import build_tokenizer
 from titans_hf.modeling import TitansQwenForCausalLM
+from titans_hf.modeling.memory_folder import _legacy_base_fingerprint, _sampled_base_fingerprint, base_fingerprint
+from titans_hf.testing_utils import build_tokenizer
 
 
 def checksums(*roots: Path) -> dict[str, str]:
@@ -113,7 +113,7 @@ def test_a_memory_with_a_sampled_fingerprint_loads_with_a_warning_and_is_re_reco
     full = config["base_fingerprint"]
     config_path.write_text(json.dumps({**config, "base_fingerprint": older(local_base)}))  # as a release before
     before = checksums(memory, local_base)
-    with caplog.at_level(logging.WARNING, logger="titans_hf.hub"):
+    with caplog.at_level(logging.WARNING, logger="titans_hf.modeling.memory_folder"):
         model = TitansQwenForCausalLM.from_pretrained(memory)
     assert checksums(memory, local_base) == before
     [warning] = [record.getMessage() for record in caplog.records if "base_fingerprint" in record.getMessage()]

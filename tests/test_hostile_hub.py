@@ -15,11 +15,20 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_hub import MEMORY_CONFIG, REPO_ID, _snapshot, hub, hub_token, memory_folder, memory_model  # noqa: F401
+from test_hub import (  # noqa: F401
+    MEMORY_CONFIG,
+    REPO_ID,
+    _snapshot,
+    hub,
+    hub_token,
+    memory_folder,
+    memory_model,
+)
 
-from titans_hf.evaluation import load_model_for_eval
-from titans_hf.hub import base_fingerprint, load_memory_weights, push_memory_folder
+from titans_hf.hub import push_memory_folder
 from titans_hf.modeling import TitansQwenForCausalLM
+from titans_hf.modeling.memory_folder import base_fingerprint, load_memory_weights
+from titans_hf.tasks.babilong.evaluation import load_model_for_eval
 
 REMOTE_CODE = '''
 from pathlib import Path

@@ -23,10 +23,9 @@ from test_trainer import make_trainer, rows  # noqa: F401  (rows is a fixture)
 
 from titans_hf.commands import cli
 from titans_hf.commands import main as cli_main
-from titans_hf.training.trainer import LOCK_NAME
-from titans_hf.utils import (
+from titans_hf.files import atomic_write_json
+from titans_hf.outputs import (
     MANIFEST_NAME,
-    atomic_write_json,
     check_folder_output,
     check_outputs,
     read_manifest,
@@ -36,6 +35,7 @@ from titans_hf.utils import (
     unrecorded_reason,
     writing_folder,
 )
+from titans_hf.training.trainer import LOCK_NAME
 
 
 def checksums(root: Path) -> dict[str, str]:

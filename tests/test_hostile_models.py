@@ -22,8 +22,8 @@ from safetensors.torch import load_file, save_file
 from test_trainer import make_trainer, rows  # noqa: F401  (rows is a fixture)
 
 from titans_hf.commands import main as cli_main
-from titans_hf.local_models import build_qwen
 from titans_hf.modeling import TitansQwenForCausalLM
+from titans_hf.testing_utils import build_qwen
 
 
 def checksums(folder: Path) -> dict[str, str]:
@@ -68,7 +68,7 @@ def test_a_local_base_is_recorded_absolute_and_another_model_there_is_refused(lo
 
 
 def test_a_base_fine_tuned_in_one_layer_is_told_apart_and_an_older_fingerprint_still_loads(local_base, tmp_path):
-    from titans_hf.hub import _legacy_base_fingerprint, base_fingerprint
+    from titans_hf.modeling.memory_folder import _legacy_base_fingerprint, base_fingerprint
 
     memory = memory_on(local_base, tmp_path / "memory")
     weights = load_file(local_base / "model.safetensors")

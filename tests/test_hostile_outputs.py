@@ -17,14 +17,8 @@ from pathlib import Path
 import pytest
 
 from titans_hf.commands import main as cli_main
-from titans_hf.utils import (
-    MANIFEST_NAME,
-    atomic_write_json,
-    atomic_write_text,
-    check_folder_output,
-    record_folder,
-    writing_folder,
-)
+from titans_hf.files import atomic_write_json, atomic_write_text
+from titans_hf.outputs import MANIFEST_NAME, check_folder_output, record_folder, writing_folder
 
 
 def checksums(root: Path) -> dict[str, str]:
@@ -203,9 +197,9 @@ def test_a_full_disk_during_a_bin_prepare_says_so_and_leaves_no_partial_store(tm
 def test_rows_of_another_task_are_refused_and_a_wrong_length_label_warns(tmp_path, tiny_qwen3_dir):
     from transformers import AutoTokenizer
 
-    from titans_hf.evaluation import evaluate_babilong
     from titans_hf.modeling import TitansQwenForCausalLM
     from titans_hf.tasks.babilong import generate_babilong, write_babilong_json
+    from titans_hf.tasks.babilong.evaluation import evaluate_babilong
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
     model = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, chunk_size=64, memory_head_dim=16, memory_chunk_size=8)

@@ -23,8 +23,8 @@ from transformers import AutoTokenizer
 from titans_hf.data.prepare import prepare
 from titans_hf.data.stores import FORMAT_VERSION, H5Store, open_store
 from titans_hf.data.tokens_builder import check_stores_tokenizer
-from titans_hf.local_models import build_tokenizer
 from titans_hf.tasks.babilong.files import read_babilong_file
+from titans_hf.testing_utils import build_tokenizer
 
 
 def checksums(*paths: Path) -> dict[str, str]:

@@ -29,11 +29,12 @@ import pytest
 import transformers.utils.hub
 import yaml
 from huggingface_hub import ModelCard, constants
-from transformers import AutoTokenizer
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+from transformers import AutoTokenizer
 
 from titans_hf.commands import main as cli_main
-from titans_hf.hub import TitansMemoryConfig, push_memory_folder, render_memory_card
+from titans_hf.hub import push_memory_folder, render_memory_card
+from titans_hf.modeling.configuration_titans_qwen import TitansMemoryConfig
 
 MEMORY_CONFIG = TitansMemoryConfig(
     chunk_size=64, memory_layers=[1], memory_num_heads=2, memory_head_dim=8, memory_depth=2, memory_chunk_size=16,

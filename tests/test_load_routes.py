@@ -16,15 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 from peft import AutoPeftModelForCausalLM, LoraConfig, PeftModel
+from test_peft import make_rows, perturb
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, pipeline
 
 from titans_hf.data.collator import TitansDataCollator
-from titans_hf.hub import ADAPTER_CONFIG_NAME
 from titans_hf.lora import add_lora, has_lora
 from titans_hf.modeling import TitansQwenConfig, TitansQwenForCausalLM
+from titans_hf.modeling.memory_folder import ADAPTER_CONFIG_NAME
 from titans_hf.training import TitansTrainer, TitansTrainingArguments
-
-from test_peft import make_rows, perturb
 
 KINDS = ["memory", "full", "lora", "lora_trainer", "lora_titans_trainer"]
 ADAPTER_KINDS = ("lora", "lora_trainer", "lora_titans_trainer")

@@ -1,7 +1,7 @@
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from titans_hf.local_models import END_OF_TEXT
+from titans_hf.testing_utils import END_OF_TEXT
 
 
 def test_tokenizer_round_trips_answers_with_leading_space(tiny_tokenizer_dir):

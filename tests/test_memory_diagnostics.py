@@ -9,9 +9,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from titans_hf.memory_diagnostics import diagnose_memory, plot_diagnostics
 from titans_hf.modeling import TitansQwenForCausalLM
-
+from titans_hf.tasks.babilong.diagnostics import diagnose_memory, plot_diagnostics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -12,10 +12,14 @@ import safetensors.torch
 import torch
 from peft import AutoPeftModelForCausalLM, LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
+from test_hub import BASE_REPO_ID, REPO_ID, hub, hub_token  # noqa: F401  (the loopback Hub and its token)
+from test_trainer import StopAtStep, make_args
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
 from titans_hf.data.collator import TitansDataCollator
-from titans_hf.hub import (
+from titans_hf.lora import add_lora, has_lora
+from titans_hf.modeling import TitansQwenForCausalLM
+from titans_hf.modeling.memory_folder import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_WEIGHTS_NAME,
     MEMORY_CONFIG_NAME,
@@ -23,12 +27,7 @@ from titans_hf.hub import (
     MODEL_CONFIG_NAME,
     TRAINABLE_BASE_WEIGHTS_NAME,
 )
-from titans_hf.lora import add_lora, has_lora
-from titans_hf.modeling import TitansQwenForCausalLM
 from titans_hf.training import TitansTrainer
-
-from test_hub import BASE_REPO_ID, REPO_ID, hub, hub_token  # noqa: F401  (the loopback Hub and its token)
-from test_trainer import StopAtStep, make_args
 
 FOLDER_FILES = {MEMORY_CONFIG_NAME, MEMORY_WEIGHTS_NAME, MODEL_CONFIG_NAME, ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME}
 TARGETS = ["q_proj", "v_proj"]

@@ -25,8 +25,8 @@ from huggingface_hub import HfApi, constants
 from test_hub import HubStub, _make_handler
 from transformers import AutoTokenizer
 
-from titans_hf.local_models import build_qwen
 from titans_hf.tasks.babilong import generate_babilong
+from titans_hf.testing_utils import build_qwen
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 BASE_REPO = "Qwen/Qwen2.5-0.5B"

@@ -15,7 +15,6 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 import titans_hf  # noqa: F401  (registers the builders)
 from titans_hf.data.prepare import prepare
 from titans_hf.data.stores import open_store
-from titans_hf.local_models import build_tokenizer
 from titans_hf.tasks.recall import (
     ATTRIBUTES,
     PEOPLE,
@@ -31,11 +30,12 @@ from titans_hf.tasks.recall import (
     iter_recall_documents,
     name_meaning,
     parse_statement,
-    read_recall_jsonl,
     people_pool,
+    read_recall_jsonl,
     value_pool,
     write_recall_jsonl,
 )
+from titans_hf.testing_utils import build_tokenizer
 
 CHUNK = 32
 

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from titans_hf.commands import main as cli_main
-from titans_hf.hub import MEMORY_CONFIG_NAME, MEMORY_WEIGHTS_NAME
 from titans_hf.modeling import TitansQwenForCausalLM
+from titans_hf.modeling.memory_folder import MEMORY_CONFIG_NAME, MEMORY_WEIGHTS_NAME
 
 PROSE = ("The old clock on the tower struck noon while the river carried leaves past the mill. "
          "Ships waited in the harbour for the tide, their sails folded against the grey sky. ")

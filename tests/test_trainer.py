@@ -14,11 +14,16 @@ import safetensors.torch
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-import titans_hf.hub
+import titans_hf.modeling.memory_folder
 from titans_hf.data.collator import TitansDataCollator
 from titans_hf.data.sampler import ChunkCurriculumSampler, count_chunks
-from titans_hf.hub import MEMORY_CONFIG_NAME, MEMORY_WEIGHTS_NAME, MODEL_CONFIG_NAME, TRAINABLE_BASE_WEIGHTS_NAME
 from titans_hf.modeling import TitansQwenForCausalLM
+from titans_hf.modeling.memory_folder import (
+    MEMORY_CONFIG_NAME,
+    MEMORY_WEIGHTS_NAME,
+    MODEL_CONFIG_NAME,
+    TRAINABLE_BASE_WEIGHTS_NAME,
+)
 from titans_hf.training import TitansTrainer, TitansTrainingArguments
 from titans_hf.training.trainer import answer_exact_match
 
@@ -366,7 +371,7 @@ def test_save_model_writes_memory_only_and_atomically(tiny_qwen3_dir, rows, tmp_
         open(path, "wb").write(b"partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr(titans_hf.hub, "save_file", crash)
+    monkeypatch.setattr(titans_hf.modeling.memory_folder, "save_file", crash)
     with pytest.raises(OSError, match="disk full"):
         trainer.save_model(str(tmp_path / "final2"))
     assert not (tmp_path / "final2" / MEMORY_WEIGHTS_NAME).exists()

@@ -11,13 +11,11 @@ from __future__ import annotations
 import datasets
 import pytest
 import torch
-import torch.nn.functional as F
+from test_completions import open_memory
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
-from titans_hf.hub import MEMORY_CONFIG_NAME, MEMORY_WEIGHTS_NAME
 from titans_hf.modeling import TitansQwenForCausalLM
-
-from test_completions import open_memory
+from titans_hf.modeling.memory_folder import MEMORY_CONFIG_NAME, MEMORY_WEIGHTS_NAME
 
 trl = pytest.importorskip("trl")  # the `trl` extra; the `test` extra installs it
 

@@ -13,7 +13,24 @@ import sys
 
 __version__ = "0.3.0"
 
-from . import modeling  # noqa: E402,F401  (registers titans_qwen with the transformers Auto classes)
+from .modeling import TitansMemoryConfig, TitansQwenConfig, TitansQwenForCausalLM  # noqa: E402  (registers titans_qwen)
+
+# The public API at the package top; what needs `datasets`, TRL's or PEFT's stack loads when first named.
+_LAZY_NAMES = {
+    "TitansTrainer": "titans_hf.training",
+    "TitansTrainingArguments": "titans_hf.training",
+    "TitansDataCollator": "titans_hf.data.collator",
+    "add_lora": "titans_hf.lora",
+    "push_memory_folder": "titans_hf.hub",
+}
+
+__all__ = ["TitansMemoryConfig", "TitansQwenConfig", "TitansQwenForCausalLM", *_LAZY_NAMES, "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY_NAMES:
+        return getattr(importlib.import_module(_LAZY_NAMES[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class _RegisterBuildersOnDatasetsImport(importlib.abc.MetaPathFinder):

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from titans_hf.utils import atomic_write, atomic_write_json, prepare_output_dir, record_outputs
+from titans_hf.files import atomic_write, atomic_write_json
+from titans_hf.outputs import prepare_output_dir, record_outputs
 
 LM_RESULTS_NAME = "lm_results.json"
 LM_PLOT_NAME = "loss_per_chunk.png"

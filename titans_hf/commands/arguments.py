@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from titans_hf.hub import is_hub_id
+from titans_hf.modeling.memory_folder import is_hub_id
 from titans_hf.tasks.babilong import length_tokens
 
 

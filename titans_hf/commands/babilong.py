@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from titans_hf.data.tokenizers import check_tokenizer_argument
+from titans_hf.outputs import check_outputs, record_outputs
 from titans_hf.tasks.babilong import (
     GENERATED_TASKS,
     dataset_card_path,
@@ -12,7 +14,6 @@ from titans_hf.tasks.babilong import (
     write_babilong_json,
     write_dataset_card,
 )
-from titans_hf.utils import check_outputs, check_tokenizer_argument, record_outputs
 
 from .arguments import length, local_or_hub
 

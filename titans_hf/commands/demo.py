@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 
-from titans_hf.demo import goal_report, run_demo
-from titans_hf.evaluation import format_distance_table, format_results_table
+from titans_hf.commands.demo_job import goal_report, run_demo
 from titans_hf.tasks.babilong import GENERATED_TASKS
+from titans_hf.tasks.babilong.evaluation import format_distance_table, format_results_table
 
 from .arguments import length, local_or_hub
 

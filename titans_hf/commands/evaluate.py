@@ -9,7 +9,12 @@ from pathlib import Path
 import datasets
 import torch
 
-from titans_hf.evaluation import (
+from titans_hf.data.tokenizers import check_tokenizer_argument
+from titans_hf.data.tokens_builder import check_stores_tokenizer, store_data_files
+from titans_hf.lm_evaluation import LM_OUTPUT_NAMES, LM_PLOT_NAME, LM_RESULTS_NAME, evaluate_lm, format_lm_table
+from titans_hf.outputs import prepare_output_dir
+from titans_hf.tasks.babilong import GENERATED_TASKS, generate_babilong, length_tokens
+from titans_hf.tasks.babilong.evaluation import (
     OUTPUT_NAMES,
     babilong_files_by_task_length,
     evaluate_babilong,
@@ -17,11 +22,7 @@ from titans_hf.evaluation import (
     format_results_table,
     load_model_for_eval,
 )
-from titans_hf.data.tokens_builder import check_stores_tokenizer, store_data_files
-from titans_hf.lm_evaluation import LM_OUTPUT_NAMES, LM_PLOT_NAME, LM_RESULTS_NAME, evaluate_lm, format_lm_table
-from titans_hf.tasks.babilong import GENERATED_TASKS, generate_babilong, length_tokens
 from titans_hf.tasks.babilong.generate import read_haystack_sentences
-from titans_hf.utils import check_tokenizer_argument, prepare_output_dir
 
 from .arguments import add_model_arguments, length
 

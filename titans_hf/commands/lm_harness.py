@@ -9,7 +9,8 @@ import json
 import math
 from typing import Any
 
-from titans_hf.utils import atomic_write_json, prepare_output_dir, record_outputs
+from titans_hf.files import atomic_write_json
+from titans_hf.outputs import prepare_output_dir, record_outputs
 
 from .arguments import add_model_arguments
 
@@ -91,7 +92,7 @@ def lm_eval_command(args: argparse.Namespace) -> int:
         from lm_eval.utils import handle_non_serializable, make_table
     except ImportError as error:
         raise ValueError(f"titans-hf lm-eval needs lm-eval: pip install 'titans_hf[lm_eval]' ({error})") from error
-    from titans_hf.evaluation import load_model_for_eval
+    from titans_hf.tasks.babilong.evaluation import load_model_for_eval
 
     task_manager = TaskManager(include_path=args.include_path)
     unknown = [name for name in args.tasks if not task_manager.match_tasks([name])]

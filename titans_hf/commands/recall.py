@@ -16,6 +16,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from titans_hf.data.tokenizers import check_tokenizer_argument
+from titans_hf.files import give_umask_permissions, remove_path, short_name
+from titans_hf.outputs import check_folder_output, check_outputs, record_folder, record_outputs, replace_outputs
 from titans_hf.tasks.recall import (
     DEFAULT_PEOPLE,
     DEFAULT_POOL_SIZE,
@@ -26,17 +29,6 @@ from titans_hf.tasks.recall import (
 )
 from titans_hf.tasks.recall.files import check_store_output, write_recall_eval_store
 from titans_hf.tasks.recall.stand_in import pretrain_stand_in
-from titans_hf.utils import (
-    check_folder_output,
-    check_outputs,
-    check_tokenizer_argument,
-    give_umask_permissions,
-    record_folder,
-    record_outputs,
-    remove_path,
-    replace_outputs,
-    short_name,
-)
 
 from .arguments import length, local_or_hub
 

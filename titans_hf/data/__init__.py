@@ -23,7 +23,13 @@ from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
 
 BUILDER_MODULES: dict[str, str] = {
     "titans_tokens": "titans_hf.data.tokens_builder",
-    "titans_babilong": "titans_hf.data.babilong_builder",
+    "titans_babilong": "titans_hf.tasks.babilong.builder",
+}
+
+# The code each builder's rows depend on (globs under the package), hashed into its datasets cache key.
+BUILDER_SOURCES: dict[str, tuple[str, ...]] = {
+    "titans_tokens": ("data/stores.py", "data/windows.py", "data/tokens_builder.py"),
+    "titans_babilong": ("data/tokenizers.py", "tasks/babilong/*.py"),
 }
 
 GENERATING_BUILDERS = {"titans_babilong"}
@@ -32,11 +38,11 @@ GENERATING_BUILDERS = {"titans_babilong"}
 NAMED_FILES_BUILDERS = {"titans_tokens"}
 
 
-def source_hash() -> str:
-    """Hash of the code the builders' rows depend on (this package, the tasks, the shared helpers), used as the
-    `datasets` module hash: changed code rebuilds the Arrow cache."""
+def source_hash(builder: str) -> str:
+    """Hash of the code `builder`'s rows depend on (`BUILDER_SOURCES`), used as its `datasets` module hash: a change
+    to that code rebuilds its Arrow cache, and no other edit does."""
     package = Path(__file__).resolve().parent.parent
-    files = [*package.glob("data/*.py"), *package.glob("tasks/**/*.py"), package / "utils.py"]
+    files = {file for pattern in BUILDER_SOURCES[builder] for file in package.glob(pattern)}
     digest = hashlib.sha256()
     for file in sorted(files):
         digest.update(file.relative_to(package).as_posix().encode())
@@ -63,9 +69,8 @@ def check_datasets_internals() -> None:
 
 def register_builders() -> None:
     check_datasets_internals()
-    code_hash = source_hash()
     for name, module_path in BUILDER_MODULES.items():
-        _PACKAGED_DATASETS_MODULES[name] = (module_path, code_hash)
+        _PACKAGED_DATASETS_MODULES[name] = (module_path, source_hash(name))
 
 
 def _packaged_module_without_data_files(resolve_module):

@@ -51,15 +51,10 @@ from titans_hf.data.stores import (
     token_dtype,
     tokenizer_fingerprint,
 )
+from titans_hf.data.tokenizers import check_tokenizer_argument
 from titans_hf.data.windows import TRAIN_TYPE_KEYS
-from titans_hf.utils import (
-    MAX_TEXT_CHARACTERS_VARIABLE,
-    check_can_create,
-    check_tokenizer_argument,
-    disk_full_message,
-    max_text_characters,
-    replace_outputs,
-)
+from titans_hf.files import MAX_TEXT_CHARACTERS_VARIABLE, disk_full_message, max_text_characters
+from titans_hf.outputs import check_can_create, replace_outputs
 
 RECORD_FIELDS: dict[str, tuple[str, ...]] = {
     "seq": ("text",),

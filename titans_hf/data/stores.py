@@ -53,7 +53,7 @@ from typing import Any, Iterator
 import h5py
 import numpy as np
 
-from titans_hf.utils import hidden_sibling
+from titans_hf.files import hidden_sibling
 
 FORMAT_VERSION = 1
 META_FILE = "meta.json"

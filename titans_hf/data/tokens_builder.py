@@ -192,7 +192,7 @@ class TitansTokens(datasets.ArrowBasedBuilder):
         if kwargs.get("hash") is None:
             from titans_hf.data import source_hash
 
-            kwargs["hash"] = source_hash()
+            kwargs["hash"] = source_hash("titans_tokens")
         super().__init__(*args, **kwargs)
 
     def _info(self) -> datasets.DatasetInfo:

@@ -3,9 +3,7 @@ on import."""
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from titans_hf.hub import TitansMemoryConfig
-
-from .configuration_titans_qwen import TitansQwenConfig
+from .configuration_titans_qwen import TitansMemoryConfig, TitansQwenConfig
 from .memory import MemoryState, NeuralMemory
 from .modeling_titans_qwen import TitansCache, TitansQwenForCausalLM, TitansQwenPreTrainedModel
 from .variants import MEMORY_VARIANTS

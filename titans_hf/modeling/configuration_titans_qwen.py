@@ -2,18 +2,224 @@
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
 
 from huggingface_hub.dataclasses import strict
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.configuration_utils import SubConfigSpec
 
-from titans_hf.hub import MODEL_TYPE, TitansMemoryConfig
+from titans_hf import __version__
+from titans_hf.files import atomic_write_json
 
 from .memory import CONV_INITS, MEMORY_MODELS, UPDATE_RULES
+from .memory_folder import MEMORY_CONFIG_NAME, hub_file
 from .variants import MEMORY_VARIANTS
 
+MODEL_TYPE = "titans_qwen"
+BASE_SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
+_REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,254}")
 SUPPORTED_BASE_MODEL_TYPES = ("qwen2", "qwen3")
+
+
+@dataclass
+class TitansMemoryConfig:
+    """Every setting of a Titans memory, and the base model it belongs to (PEFT's adapter config, for a memory).
+
+    The single source of the memory settings: `TitansQwenConfig.memory_config`, the `titans-hf train` flags, the
+    model card and the checkpoints all read them from here. `memory_layers` and `memory_num_heads` may stay None
+    until the config meets a base (`TitansQwenConfig` resolves them: the middle layer; hidden size // head dim).
+    """
+
+    chunk_size: int = field(default=4096, metadata={"help": "Attention segment in tokens; attention reaches at most "
+                                                            "one chunk back (attend_previous_chunk), the memory further."})
+    memory_layers: list[int] | None = field(default=None, metadata={
+        "help": "Decoder layers that get a memory (default: the middle layer, the one a frozen base learned to use "
+                "fastest)."})
+    variant: str = field(default="mag", metadata={
+        "help": "How the memory joins its layer: mag (a gated branch beside the layer), mal (on the residual "
+                "stream before it) or mac (memory tokens in front of each chunk)."})
+    memory_model: str = field(default="mlp", metadata={
+        "help": "What the memory is: mlp (an MLP of memory_depth layers with a residual, whose weights learn at "
+                "test time)."})
+    memory_num_heads: int | None = field(default=None, metadata={
+        "help": "Memory heads (default: hidden size // memory_head_dim); small heads keep the fast weights cheap."})
+    memory_head_dim: int = field(default=64, metadata={"help": "Size of one memory head."})
+    memory_depth: int = field(default=1, metadata={"help": "Layers of the memory MLP (1: linear with residual)."})
+    memory_expansion: int = field(default=4, metadata={"help": "Hidden width of the memory MLP, in head sizes."})
+    conv_kernel: int = field(default=4, metadata={
+        "help": "Causal depthwise convolution over q/k/v, in tokens; one wide enough to span a fact sentence "
+                "helps recall."})
+    conv_init: str = field(default="window", metadata={
+        "help": "Start of the q/k convolution: window (mean over its taps) or identity (the plain projection)."})
+    memory_chunk_size: int = field(default=64, metadata={
+        "help": "Tokens per update chunk: a token reads the weights its chunk started with (with the delta rule "
+                "every token still takes its own step)."})
+    memory_batch_size: int | None = field(default=None, metadata={
+        "help": "Tokens between refreshes of the point where inner gradients are taken (None: every update)."})
+    update_rule: str = field(default="delta", metadata={
+        "help": "How the memory writes: delta (each token's step at the weights the tokens before it left, a "
+                "contraction along its key; the state's norm stays under max_memory_norm) or gradient (Titans' "
+                "chunked rule: every token's gradient at its chunk's starting weights, clipped, with momentum)."})
+    max_lr: float = field(default=0.5, metadata={
+        "help": "Upper bound of the data-dependent inner learning rate theta (delta: at most 0.5, a step 2 theta "
+                "<= 1)."})
+    max_memory_norm: float | None = field(default=None, metadata={
+        "help": "delta: each head's fast weights are rescaled to this Frobenius norm whenever an update leaves "
+                "them above it (None: 4 * sqrt(memory_head_dim))."})
+    theta_bias_init: float = field(default=-2.0, metadata={
+        "help": "Initial bias of the write gate: theta starts near max_lr * sigmoid(theta_bias_init)."})
+    forget_bias_init: float = field(default=-30.0, metadata={
+        "help": "Initial bias of the forget gate: alpha starts near sigmoid(forget_bias_init) per memory update "
+                "(-30: no forgetting, and no gradient to raise it; a new value for a key replaces the old through "
+                "the update rule)."})
+    num_memory_tokens: int = field(default=0, metadata={"help": "mac: memory tokens read at the start of a chunk."})
+    num_persistent_tokens: int = field(default=0, metadata={"help": "mac: learned tokens prefixing every chunk."})
+    attend_previous_chunk: bool = field(default=True, metadata={
+        "help": "Each chunk's attention also sees the previous chunk's keys and values (a sliding window, as in "
+                "Titans' MAG); positions stay within two chunks, the cache within two chunks' keys. On by default: "
+                "it lowers the loss where chunks meet (README, recall corpus); false for chunk-local attention."})
+    bptt_chunks: int | None = field(default=None, metadata={
+        "help": "Detach the memory state every this many chunks (None: backpropagate through all of them)."})
+    freeze_base: bool = field(default=True, metadata={"help": "Train only the memory; the base stays as loaded."})
+    checkpoint_chunks: bool = field(default=True, metadata={
+        "help": "Recompute each chunk in backward: training memory is one chunk plus the memory states."})
+    base_model_name_or_path: str | None = None
+    revision: str | None = None
+    base_shape: dict[str, Any] | None = None
+    base_fingerprint: str | None = None
+    titans_hf_version: str = __version__
+
+    BASE_FIELDS: ClassVar[tuple[str, ...]] = ("base_model_name_or_path", "revision", "base_shape",
+                                              "base_fingerprint", "titans_hf_version")
+
+    def __post_init__(self) -> None:
+        def integer(name: str, low: int, optional: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and optional:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}={value!r} must be an integer >= {low}{' or None' if optional else ''}")
+
+        for name in ("chunk_size", "memory_head_dim", "memory_depth", "memory_expansion", "conv_kernel",
+                     "memory_chunk_size"):
+            integer(name, 1)
+        for name in ("memory_num_heads", "memory_batch_size", "bptt_chunks"):
+            integer(name, 1, optional=True)
+        for name in ("num_memory_tokens", "num_persistent_tokens"):
+            integer(name, 0)
+        for name in ("variant", "memory_model", "conv_init", "update_rule", "titans_hf_version"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a string")
+        for name in ("base_model_name_or_path", "revision", "base_fingerprint"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a string or None")
+        if self.revision is not None and (not _REVISION.fullmatch(self.revision) or ".." in self.revision):
+            raise ValueError(f"revision={self.revision!r} is not a git revision (a branch, tag or commit: letters, "
+                             "digits and . _ - /, no '..')")
+        if self.base_fingerprint is not None and not re.fullmatch(r"[0-9a-f]{64}", self.base_fingerprint):
+            raise ValueError(f"base_fingerprint={self.base_fingerprint!r} must be 64 hex digits")
+        for name in ("freeze_base", "checkpoint_chunks", "attend_previous_chunk"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
+        if isinstance(self.max_lr, bool) or not isinstance(self.max_lr, (int, float)) or not self.max_lr > 0:
+            raise ValueError(f"max_lr={self.max_lr!r} must be a number > 0")
+        self.max_lr = float(self.max_lr)
+        if self.max_memory_norm is not None:
+            if (isinstance(self.max_memory_norm, bool) or not isinstance(self.max_memory_norm, (int, float))
+                    or not math.isfinite(self.max_memory_norm) or not self.max_memory_norm > 0):
+                raise ValueError(f"max_memory_norm={self.max_memory_norm!r} must be a finite number > 0 or None")
+            self.max_memory_norm = float(self.max_memory_norm)
+        for name in ("theta_bias_init", "forget_bias_init"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name}={value!r} must be a finite number")
+            setattr(self, name, float(value))
+        if self.memory_layers is not None:
+            if (not isinstance(self.memory_layers, (list, tuple)) or not self.memory_layers
+                    or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.memory_layers)):
+                raise ValueError(f"memory_layers={self.memory_layers!r} must be a non-empty list of layer indices")
+            self.memory_layers = sorted(set(self.memory_layers))
+        if self.base_shape is not None:
+            if not isinstance(self.base_shape, dict) or set(self.base_shape) != set(BASE_SHAPE_KEYS):
+                raise ValueError(f"base_shape={self.base_shape!r} must hold exactly {list(BASE_SHAPE_KEYS)}")
+            if not isinstance(self.base_shape["model_type"], str) or not all(
+                    isinstance(self.base_shape[key], int) and not isinstance(self.base_shape[key], bool)
+                    for key in BASE_SHAPE_KEYS[1:]):
+                raise ValueError(f"base_shape={self.base_shape!r}: model_type is a string, the sizes integers")
+
+    @classmethod
+    def setting_names(cls) -> tuple[str, ...]:
+        """The settings that shape the memory (every field but the base's)."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name not in cls.BASE_FIELDS)
+
+    def memory_settings(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.setting_names()}
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Any, source: str = "memory config") -> "TitansMemoryConfig":
+        """Build from a dict of known settings only; anything else is a ValueError naming `source`."""
+        if not isinstance(values, dict):
+            raise ValueError(f"{source}: expected a JSON object of memory settings, got {type(values).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"{source}: unknown memory setting(s) {unknown}; known: {sorted(known)}")
+        if "titans_hf_version" in values:
+            # a saved config (they carry the version) from before an option existed keeps what it was trained with
+            for name, before in (("attend_previous_chunk", False), ("update_rule", "gradient")):
+                values = {name: before, **values}
+        try:
+            return cls(**values)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{source}: {error}") from error
+
+    def save_pretrained(self, save_directory: str | os.PathLike) -> Path:
+        """Write `memory_config.json` into `save_directory` (atomically)."""
+        folder = Path(save_directory)
+        folder.mkdir(parents=True, exist_ok=True)
+        return atomic_write_json(folder / MEMORY_CONFIG_NAME, self.to_dict())
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike, revision: str | None = None,
+                        **hub_kwargs: Any) -> "TitansMemoryConfig":
+        """Read `memory_config.json` from a memory folder or Hub repository (see `hub_file`)."""
+        return read_memory_config(hub_file(name_or_path, MEMORY_CONFIG_NAME, revision=revision, **hub_kwargs))
+
+    def for_base(self, base_config: Any) -> "TitansMemoryConfig":
+        """This config fitted to a base model's config: default layer and heads filled in, the base's shape
+        recorded; a memory made for a base of another shape is refused."""
+        shape = {key: getattr(base_config, key, None) for key in BASE_SHAPE_KEYS}
+        if self.base_shape is not None and self.base_shape != shape:
+            differing = {key: (self.base_shape[key], shape[key]) for key in BASE_SHAPE_KEYS
+                         if self.base_shape[key] != shape[key]}
+            raise ValueError(f"the memory was made for a base of shape {self.base_shape}, this base has {shape} "
+                             f"(memory's vs this base's: {differing})")
+        layers = self.memory_layers if self.memory_layers is not None else [base_config.num_hidden_layers // 2]
+        outside = [layer for layer in layers if layer >= base_config.num_hidden_layers]
+        if outside:
+            raise ValueError(f"memory_layers={layers}: the base has layers 0..{base_config.num_hidden_layers - 1}")
+        heads = self.memory_num_heads or max(1, base_config.hidden_size // self.memory_head_dim)
+        return dataclasses.replace(self, memory_layers=layers, memory_num_heads=heads, base_shape=shape)
+
+
+def read_memory_config(path: str | os.PathLike) -> TitansMemoryConfig:
+    """A `TitansMemoryConfig` from a JSON file; any problem is a ValueError naming the file."""
+    path = Path(path)
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: not a JSON memory config ({error})") from error
+    return TitansMemoryConfig.from_dict(values, source=str(path))
 
 
 @strict

@@ -39,10 +39,11 @@ from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from titans_hf.hub import (
+from .configuration_titans_qwen import TitansMemoryConfig, TitansQwenConfig
+from .memory import MemoryState, NeuralMemory
+from .memory_folder import (
     ADAPTER_CONFIG_NAME,
     MEMORY_WEIGHTS_NAME,
-    TitansMemoryConfig,
     base_fingerprint,
     base_matches_fingerprint,
     check_safetensors_folder,
@@ -51,14 +52,10 @@ from titans_hf.hub import (
     is_memory,
     load_memory_weights,
     optional_hub_file,
-    push_memory_folder,
     read_safetensors_header,
     recorded_base,
     save_memory_folder,
 )
-
-from .configuration_titans_qwen import TitansQwenConfig
-from .memory import MemoryState, NeuralMemory
 from .variants import MEMORY_VARIANTS, TitansMemoryBlock
 
 logger = logging.getLogger(__name__)
@@ -707,6 +704,10 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         if push_full_model:
             return super().push_to_hub(repo_id, *args, token=token, private=private, commit_message=commit_message,
                                        **kwargs)
+        from titans_hf.hub import (
+            push_memory_folder,  # the Hub builds on the model, not the other way
+        )
+
         with tempfile.TemporaryDirectory() as folder:
             self.save_memory(folder)
             return push_memory_folder(folder, repo_id, token=token, private=bool(private),

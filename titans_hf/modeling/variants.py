@@ -11,7 +11,6 @@ Adding a variant is a class here and a line in `MEMORY_VARIANTS`.
 from __future__ import annotations
 
 import math
-
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -23,9 +22,7 @@ from transformers import initialization as init
 from .memory import MemoryState, NeuralMemory
 
 if TYPE_CHECKING:
-    from titans_hf.hub import TitansMemoryConfig
-
-    from .configuration_titans_qwen import TitansQwenConfig
+    from .configuration_titans_qwen import TitansMemoryConfig, TitansQwenConfig
 
 DecoderLayer = Callable[[Tensor], Tensor]
 

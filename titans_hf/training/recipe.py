@@ -35,13 +35,13 @@ import datasets
 import torch
 from transformers import AutoConfig, AutoTokenizer, TrainerCallback, set_seed
 
-from titans_hf.data.babilong_builder import build_babilong
+from titans_hf.data.tokenizers import check_tokenizer_argument
 from titans_hf.data.tokens_builder import check_stores_tokenizer, store_data_files
-from titans_hf.hub import TitansMemoryConfig
 from titans_hf.modeling import MEMORY_VARIANTS, TitansQwenForCausalLM
+from titans_hf.modeling.configuration_titans_qwen import TitansMemoryConfig
 from titans_hf.modeling.memory import CONV_INITS, MEMORY_MODELS
 from titans_hf.tasks.babilong import find_babilong_sources
-from titans_hf.utils import check_tokenizer_argument
+from titans_hf.tasks.babilong.builder import build_babilong
 
 from .trainer import TitansTrainer, answer_exact_match
 from .training_args import TitansTrainingArguments

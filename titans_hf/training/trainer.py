@@ -12,6 +12,7 @@ stops the run before anything is saved from it (`FiniteSteps`).
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import functools
 import inspect
@@ -20,7 +21,6 @@ import logging
 import math
 import os
 import pickle
-import dataclasses
 import shutil
 import stat
 import tempfile
@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from accelerate.utils import TorchDynamoPlugin, extract_model_from_parallel
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -42,14 +43,18 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import Sampler
-from accelerate.utils import TorchDynamoPlugin, extract_model_from_parallel
 from transformers import EvalPrediction, Trainer
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy
 
 from titans_hf.data.collator import CompletionsCollator, TitansDataCollator
 from titans_hf.data.sampler import ChunkCurriculumSampler, ResumableSampler, count_chunks
-from titans_hf.hub import (
+from titans_hf.data.tokenizers import resolve_pad_token_id
+from titans_hf.files import atomic_write, atomic_write_json, disk_full_message
+from titans_hf.hub import push_memory_folder
+from titans_hf.modeling.configuration_titans_qwen import read_memory_config
+from titans_hf.modeling.memory import MemoryState
+from titans_hf.modeling.memory_folder import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_WEIGHTS_NAME,
     MEMORY_CONFIG_NAME,
@@ -57,19 +62,9 @@ from titans_hf.hub import (
     MODEL_CONFIG_NAME,
     TRAINABLE_BASE_WEIGHTS_NAME,
     load_memory_weights,
-    push_memory_folder,
-    read_memory_config,
     save_memory_folder,
 )
-from titans_hf.modeling.memory import MemoryState
-from titans_hf.utils import (
-    atomic_write,
-    atomic_write_json,
-    disk_full_message,
-    record_outputs,
-    resolve_pad_token_id,
-    unrecorded_reason,
-)
+from titans_hf.outputs import record_outputs, unrecorded_reason
 
 from .training_args import TitansTrainingArguments
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from titans_hf.utils import plain_backend_tokenizer, resolve_pad_token_id
+from titans_hf.data.tokenizers import plain_backend_tokenizer, resolve_pad_token_id
 
 PROMPT_TEMPLATE = "{input}\n\nQuestion: {question}\nAnswer:"
 

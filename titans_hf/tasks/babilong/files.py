@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from titans_hf.utils import MAX_TEXT_CHARACTERS_VARIABLE, atomic_write_text, max_text_characters
+from titans_hf.files import MAX_TEXT_CHARACTERS_VARIABLE, atomic_write_text, max_text_characters
 
 REQUIRED_FIELDS = ("input", "question", "target")
 ROW_SUFFIXES = (".json", ".jsonl", ".parquet")

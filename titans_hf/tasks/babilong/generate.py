@@ -15,7 +15,7 @@ from typing import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
-from titans_hf.utils import plain_backend_tokenizer
+from titans_hf.data.tokenizers import plain_backend_tokenizer
 
 from .files import read_utf8_text
 

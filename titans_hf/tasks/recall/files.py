@@ -26,7 +26,8 @@ from titans_hf.data.stores import (
     token_dtype,
     tokenizer_fingerprint,
 )
-from titans_hf.utils import atomic_write, remove_path, replace_outputs
+from titans_hf.files import atomic_write, remove_path
+from titans_hf.outputs import replace_outputs
 
 from .generate import RecallDocument
 
@@ -100,7 +101,7 @@ def check_store_output(output: Path, overwrite: bool) -> None:
 
 def write_recall_eval_store(documents: Iterable[RecallDocument], output: Path, tokenizer: Any) -> Path:
     """Write the eval store of `documents` for `output` under a temporary name beside it and return that name
-    (the caller renames it into place, `titans_hf.utils.replace_outputs`); nothing is left when it fails."""
+    (the caller renames it into place, `titans_hf.outputs.replace_outputs`); nothing is left when it fails."""
     name = str(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else getattr(tokenizer, "name_or_path", None)
     tokenizer = _load_tokenizer(tokenizer)
     metadata = {"train_type": "sft", "tokenizer": name, "vocab_size": len(tokenizer),

@@ -12,7 +12,7 @@ statement it depends on). Spans are `[start, end)` character offsets into the te
 
 Distances are measured in characters, or in tokens of a tokenizer when one is given (`tokenizer=...`): each
 sentence is counted with its leading space, which for byte-level BPE tokenizers (GPT-2, Qwen, the local ones of
-`titans_hf.local_models`) is exactly how the whole text tokenizes. A reference comes at least `min_distance`
+`titans_hf.testing_utils`) is exactly how the whole text tokenizes. A reference comes at least `min_distance`
 units after the end of the previous sentence that named its value (the statement, or an earlier reference), so
 with a distance of at least one chunk of tokens, every recalled value depends on an earlier chunk.
 """

@@ -18,7 +18,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from titans_hf.local_models import build_qwen, build_tokenizer, mean_embedding_cosine, pretrain_causal_lm
+from titans_hf.testing_utils import build_qwen, build_tokenizer, mean_embedding_cosine, pretrain_causal_lm
 
 from .generate import generate_recall, glossary_document, people_pool, value_pool
 

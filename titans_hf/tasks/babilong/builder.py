@@ -39,6 +39,9 @@ import datasets
 import pyarrow as pa
 from datasets.builder import Key
 
+from titans_hf.data import source_hash
+from titans_hf.data.tokenizers import plain_backend_tokenizer, resolve_pad_token_id
+from titans_hf.files import file_sha256
 from titans_hf.tasks.babilong import (
     GENERATED_TASKS,
     babilong_path_labels,
@@ -49,7 +52,6 @@ from titans_hf.tasks.babilong import (
     train_eval_split,
 )
 from titans_hf.tasks.babilong.generate import read_haystack_sentences
-from titans_hf.utils import file_sha256, plain_backend_tokenizer, resolve_pad_token_id
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +201,7 @@ class TitansBabilong(datasets.ArrowBasedBuilder):
             raise ValueError(
                 f"titans_babilong got data files ({dict(self.config.data_files)}) and num_samples="
                 f"{self.config.num_samples}: pass data_files to read BABILong files, or generate with "
-                "titans_hf.data.babilong_builder.build_babilong(task=..., length=..., num_samples=...) "
+                "titans_hf.tasks.babilong.builder.build_babilong(task=..., length=..., num_samples=...) "
                 "(load_dataset infers data files from the working directory when none are given)"
             )
         if self.config.data_files:
@@ -299,8 +301,6 @@ def build_babilong(cache_dir: str | None = None, num_proc: int | None = None, **
 
     ``config`` takes the fields of ``TitansBabilongConfig`` plus ``data_files``.
     """
-    from . import source_hash
-
-    builder = TitansBabilong(cache_dir=cache_dir, hash=source_hash(), **config)
+    builder = TitansBabilong(cache_dir=cache_dir, hash=source_hash("titans_babilong"), **config)
     builder.download_and_prepare(num_proc=num_proc)
     return builder.as_dataset()

@@ -30,10 +30,10 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from titans_hf.evaluation import prompt_ids
+from titans_hf.data.tokenizers import plain_backend_tokenizer
+from titans_hf.files import atomic_write
 from titans_hf.tasks.babilong import PROMPT_TEMPLATE, supporting_fact_spans, task_labels
-from titans_hf.utils import atomic_write, plain_backend_tokenizer
-
+from titans_hf.tasks.babilong.evaluation import prompt_ids
 
 QUESTION_TOKENS = 8  # the prompt's last tokens ("Where is Mary?\nAnswer:"), whose reads decide the answer
 

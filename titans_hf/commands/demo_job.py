@@ -28,14 +28,10 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    set_seed,
-)
+from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 
-from titans_hf.evaluation import DISTANCE_PLOT_NAME, evaluate_babilong, load_model_for_eval
-from titans_hf.local_models import build_qwen, build_tokenizer, mean_embedding_cosine, pretrain_causal_lm
+from titans_hf.files import atomic_write, atomic_write_json, file_sha256
+from titans_hf.outputs import writing_folder
 from titans_hf.tasks.babilong import (
     ACTORS,
     LOCATIONS,
@@ -49,14 +45,15 @@ from titans_hf.tasks.babilong import (
     random_question,
     write_babilong_json,
 )
+from titans_hf.tasks.babilong.evaluation import DISTANCE_PLOT_NAME, evaluate_babilong, load_model_for_eval
+from titans_hf.testing_utils import build_qwen, build_tokenizer, mean_embedding_cosine, pretrain_causal_lm
 from titans_hf.training.recipe import (
-    RecipeTrainingArguments,
     DataArguments,
     MemoryArguments,
     ModelArguments,
+    RecipeTrainingArguments,
     train_memory,
 )
-from titans_hf.utils import atomic_write, atomic_write_json, file_sha256, writing_folder
 
 logger = logging.getLogger(__name__)
 

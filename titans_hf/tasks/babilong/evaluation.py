@@ -19,6 +19,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
+from titans_hf.data.tokenizers import plain_backend_tokenizer, resolve_pad_token_id
+from titans_hf.files import atomic_write, atomic_write_json, atomic_write_text
+from titans_hf.outputs import prepare_output_dir, record_outputs
 from titans_hf.tasks.babilong import (
     LABELS_FROM_TARGETS,
     REQUIRED_FIELDS,
@@ -35,15 +38,6 @@ from titans_hf.tasks.babilong import (
     task_labels,
 )
 from titans_hf.tasks.babilong.examples import PROMPT_TEMPLATE
-from titans_hf.utils import (
-    atomic_write,
-    atomic_write_json,
-    atomic_write_text,
-    plain_backend_tokenizer,
-    prepare_output_dir,
-    record_outputs,
-    resolve_pad_token_id,
-)
 
 RESULTS_NAME = "results.json"
 HEATMAP_NAME = "heatmap.png"
@@ -559,8 +553,9 @@ def load_model_for_eval(
     """
     from transformers import AutoConfig, AutoTokenizer
 
-    from titans_hf.hub import TitansMemoryConfig, is_memory
     from titans_hf.modeling import TitansQwenForCausalLM
+    from titans_hf.modeling.configuration_titans_qwen import TitansMemoryConfig
+    from titans_hf.modeling.memory_folder import is_memory
 
     load_kwargs = {} if dtype is None else {"dtype": getattr(torch, dtype)}
     if memory is None and is_memory(model):
