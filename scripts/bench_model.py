@@ -10,7 +10,7 @@
 4. The main job's stand-in (`titans_hf.commands.demo_job`: a Qwen3 of hidden size 64 and 2 layers, chunks of 32 tokens attending
    to themselves, its memory settings) at batch 1, forward only, best of 5: tokens/s with the memory, with the memory
    switched off (the same chunk loop), and the plain base with full attention, at 1024 and 4096 tokens.
-5. `--gpu`: the prepared device run (`scripts/device_bench.sh` runs it there; not yet run: no device lent so far),
+5. `--gpu`: the GPU run (`scripts/device_bench.sh` installs the pinned wheels on a GPU machine and runs it),
    the 0.5B-shaped model at 32k tokens, chunk 4096, bf16, training step: tokens/s with the memory vs the same
    chunking vs full attention (SDPA, which takes its flash kernel on CUDA for causal attention without a mask), and
    the share of the device's bf16 peak (`--peak-tflops`, default an H100/H200's 989 dense) that the model FLOPs
@@ -20,7 +20,7 @@
    eager model (layer-major) and the eager chunk loop, and the tiny config's training step (256 tokens, chunks of
    64) as in part 1 with the compiled step beside it: compile times (first call) and tokens/s side by side.
 
-Goals (issue 23): memory adds <= 25% to the tiny training step; training memory grows sub-linearly in chunks;
+Goals: memory adds <= 25% to the tiny training step; training memory grows sub-linearly in chunks;
 prefill tokens/s within 15% and peak memory flat from 32k to 1M; the stand-in with memory >= 0.6x the tokens/s of
 its memory-off loop, and that loop within 1.5x of full attention at 1024 tokens.
 

@@ -3,7 +3,7 @@ FSDP2 `fully_shard`, two gloo CPU processes, against the same steps taken by one
 batch: on labelled windows, and on dpo + grpo batches (a prompt and a group of completions, the DPO reference the
 memory-off model).
 
-FSDP through accelerate/Trainer on CPU silently becomes DDP (NOTES.md), so the sharded path is exercised directly.
+FSDP through accelerate/Trainer on a CPU silently becomes DDP (accelerate 1.15), so the sharded path is exercised directly.
 This file is also the worker script: `python test_fsdp.py MODE RANK WORLD PORT MODEL_DIR OUT_DIR`.
 """
 

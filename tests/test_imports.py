@@ -108,3 +108,31 @@ def test_the_models_call_time_imports_are_the_listed_ones():
     outside = {(name, target) for name in modeling for target in imported_names(name, module_level=False)
                if not target.startswith("titans_hf.modeling")}
     assert outside == MODEL_CALL_TIME_IMPORTS
+
+
+def test_the_package_top_names_the_public_api():
+    loaded = loaded_by(["titans_hf"])
+    assert "datasets" not in loaded and "titans_hf.training" not in loaded  # the lazy names stay unloaded
+    public = {name: getattr(titans_hf, name) for name in titans_hf.__all__}
+    assert public["TitansTrainer"].__module__.startswith("titans_hf.training")
+    assert public["add_lora"].__module__ == "titans_hf.lora"
+    assert set(titans_hf.__all__) <= set(dir(titans_hf))
+
+
+def test_old_import_paths_warn_and_give_the_moved_names():
+    import pytest
+
+    from titans_hf.modeling.configuration_titans_qwen import TitansMemoryConfig
+    from titans_hf.modeling.memory_folder import save_memory_folder
+    from titans_hf.outputs import writing_folder
+    from titans_hf.tasks.babilong.builder import TitansBabilong
+    from titans_hf.testing_utils import build_qwen
+
+    old = [("titans_hf.hub", "TitansMemoryConfig", TitansMemoryConfig),
+           ("titans_hf.hub", "save_memory_folder", save_memory_folder),
+           ("titans_hf.utils", "writing_folder", writing_folder),
+           ("titans_hf.local_models", "build_qwen", build_qwen),
+           ("titans_hf.data.babilong_builder", "TitansBabilong", TitansBabilong)]
+    for module, name, moved in old:
+        with pytest.warns(DeprecationWarning, match=rf"{module}\.{name} moved to "):
+            assert getattr(__import__(module, fromlist=[name]), name) is moved

@@ -1,7 +1,7 @@
 """Two CPU processes: `accelerate launch --config_file titans_hf/accelerate/cpu_ddp.yaml` running the BABILong
 training entry (DDP over gloo), and raw FSDP2 `fully_shard` for the trainer's gather/load of trainable state.
 
-This file is also the worker script (FSDP through accelerate/Trainer on CPU silently becomes DDP, NOTES.md, so the
+This file is also the worker script (FSDP through accelerate/Trainer on a CPU silently becomes DDP in accelerate 1.15, so the
 sharded checkpoint helpers are exercised under `fully_shard` directly):
     accelerate launch ... test_train_ddp.py ddp MODEL_DIR OUT_DIR
     python test_train_ddp.py fsdp RANK WORLD PORT MODEL_DIR OUT_DIR

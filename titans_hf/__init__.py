@@ -27,10 +27,14 @@ _LAZY_NAMES = {
 __all__ = ["TitansMemoryConfig", "TitansQwenConfig", "TitansQwenForCausalLM", *_LAZY_NAMES, "__version__"]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     if name in _LAZY_NAMES:
         return getattr(importlib.import_module(_LAZY_NAMES[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY_NAMES})
 
 
 class _RegisterBuildersOnDatasetsImport(importlib.abc.MetaPathFinder):

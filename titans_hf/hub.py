@@ -12,7 +12,7 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 from huggingface_hub import CommitOperationAdd, EvalResult, HfApi, ModelCard, ModelCardData, get_token, is_offline_mode
@@ -20,7 +20,7 @@ from huggingface_hub.errors import OfflineModeIsEnabled
 
 from titans_hf import __version__
 from titans_hf._deprecation import moved_names
-from titans_hf.modeling.configuration_titans_qwen import MODEL_TYPE, TitansMemoryConfig, read_memory_config
+from titans_hf.modeling.configuration_titans_qwen import MODEL_TYPE, read_memory_config
 from titans_hf.modeling.memory_folder import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_WEIGHTS_NAME,
@@ -31,6 +31,9 @@ from titans_hf.modeling.memory_folder import (
     is_hub_id,
     read_safetensors_header,
 )
+
+if TYPE_CHECKING:
+    from titans_hf.modeling.configuration_titans_qwen import TitansMemoryConfig
 
 logger = logging.getLogger(__name__)
 

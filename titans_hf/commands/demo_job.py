@@ -1,6 +1,6 @@
 """The main job: the user's recipe (a pretrained Qwen, frozen, learns to use a Titans memory) run offline on a CPU.
 
-No real Qwen can be downloaded here, so the job has two stages:
+It needs no download, so it has two stages:
 
 a. **A stand-in base.** A small Qwen3 is trained as an ordinary causal LM with full attention (no memory, no
    chunks) on the task's kind of text: prose, prose about the story's people and places, and bAbI stories with

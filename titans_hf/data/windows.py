@@ -1,6 +1,6 @@
 """Examples cut from a token store, per train type: windows for `seq`/`sft`, whole records for `dpo`/`grpo`.
 
-Window arithmetic (the contract in DESIGN.md): over the token stream of all segments in order,
+Window arithmetic: over the token stream of all segments in order,
 window i covers `[i*S, i*S + W)`; the tail that does not fill a window is dropped unless
 `pad_tail=True` adds one padded window; `respect_document_boundaries=True` applies the same rule
 inside each document instead of over the whole stream. Nothing here imports `datasets`: the
