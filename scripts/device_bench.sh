@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The prepared GPU check of issue 23, in one device call, after scripts/device_wheels.sh has filled .whl/ here:
+# The GPU check: run on a GPU machine whose Python ships its own CUDA torch, in a checkout that holds .whl/ (filled
+# beforehand by scripts/device_wheels.sh), with OUT naming the folder the results go to:
 #
-#     run(command="bash scripts/device_bench.sh", carry=[".whl"], timeout_s=600)
+#     OUT=gpu_results bash scripts/device_bench.sh
 #
-# Installs the carried wheels in front of the image's packages, prints the versions and the device, then runs
+# Installs the wheels of .whl/ in front of the machine's packages, prints the versions and the GPU, then runs
 # `bench_model.py --gpu` twice: eager only (a few minutes at most), then with compile_chunks() on inductor, whose
 # compile unrolls the 64 update chunks of each 4096-token chunk and may take minutes. Each run writes its table and
-# JSON to $OUT as it ends, so the eager figures come back even if the compiled run outlasts its time.
+# JSON to $OUT as it ends, so the eager figures are there even if the compiled run outlasts its time limit.
 # `bash scripts/device_bench.sh eager` stops after the eager run.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Run here before a device run: puts into .whl/ (git-ignored) the wheels that the device machine's image lacks or
-# holds in versions older than titans_hf needs, at the versions this checkout's .venv was tested with. The image
-# (Python 3.12, its own CUDA torch) has accelerate, tokenizers and safetensors, but transformers 5.17 and
-# huggingface_hub 1.33; the device run (scripts/device_bench.sh) needs neither datasets nor the training extras.
+# Run before the GPU check (scripts/device_bench.sh), where the package index is reachable: puts into .whl/
+# (git-ignored) the wheels a GPU machine whose Python ships its own CUDA torch lacks or holds in versions older than
+# titans_hf needs, at the versions this checkout's .venv holds, for Python 3.12 (DEVICE_PYTHON sets another). Such
+# an image (its own CUDA torch, accelerate, tokenizers and safetensors, but transformers 5.17 and huggingface_hub
+# 1.33) needs transformers, huggingface_hub and their dependencies; the GPU check needs neither datasets nor the
+# training extras.
 #
-#     bash scripts/device_wheels.sh        # then: run(command="bash scripts/device_bench.sh", carry=[".whl"])
+#     bash scripts/device_wheels.sh        # then, on the GPU machine, with .whl/ beside the checkout:
+#                                          # OUT=gpu_results bash scripts/device_bench.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 packages=(transformers huggingface_hub httpx2 httpcore2 truststore h11 anyio idna click typer annotated-doc regex
