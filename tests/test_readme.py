@@ -1,14 +1,19 @@
-"""Every code block of README.md, run as written, in order, in one folder: `Qwen/Qwen2.5-0.5B` is a tiny Qwen3
-with a tiny tokenizer served by the loopback Hub of test_hub.py (so Hub ids resolve and pushes land there), and
-the folder holds the files the blocks read (text documents, chats, a snapshot of published BABILong parquet).
+"""Every code block of README.md and of the usage pages under docs/, run as written, in order, in one folder per
+document set: `Qwen/Qwen2.5-0.5B` is a tiny Qwen3 with a tiny tokenizer served by the loopback Hub of test_hub.py
+(so Hub ids resolve and pushes land there), and the folder holds the files the blocks read (text documents, chats, a
+snapshot of published BABILong parquet).
 
-Two blocks are run elsewhere: the quick start runs the main job (scripts/demo.sh) and this very suite
-(scripts/test.sh), which CI runs through .ci/run; the recall recipe's block (scripts/recall.sh, minutes) runs as
-written, on tiny sizes, in test_recall_recipe.py.
+Some blocks are run elsewhere or otherwise: the install block is what scripts/setup_env.sh runs (scripts/test.sh and
+scripts/demo.sh source it), checked here against setup.cfg's pins; the quick start runs the main job
+(scripts/demo.sh) and this very suite (scripts/test.sh), which CI runs through .ci/run; the recall recipe's block
+(scripts/recall.sh, minutes) runs as written, on tiny sizes, in test_recall_recipe.py; the block marked for GPUs runs
+here on two CPU processes at tiny sizes (ON_CPU: each replacement applies exactly once, so the block and its CPU run
+stay the same command).
 """
 
 from __future__ import annotations
 
+import configparser
 import json
 import os
 import re
@@ -28,10 +33,25 @@ from transformers import AutoTokenizer
 from titans_hf.tasks.babilong import generate_babilong
 from titans_hf.testing_utils import build_qwen
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+# the usage pages, in the order their blocks run (each page reads what the pages before it made)
+DOCS_PAGES = tuple(ROOT / "docs" / name for name in ("data.md", "model.md", "training.md", "evaluation.md",
+                                                      "memory.md"))
 BASE_REPO = "Qwen/Qwen2.5-0.5B"
 QUICK_START = ("scripts/demo.sh", "scripts/test.sh")
 RECALL = "scripts/recall.sh"
+INSTALL = "pip install"
+ON_GPUS = "# on GPUs"
+# The GPU block as the tests run it: two CPU processes (FSDP through accelerate on a CPU becomes DDP), tiny rows of the
+# same four chunk counts, two optimizer steps.
+ON_CPU = {
+    "titans_hf/accelerate/fsdp.yaml": "titans_hf/accelerate/cpu_ddp.yaml",
+    "--generate_lengths 3500 7500 15500 31500": "--generate_lengths 0 200 440 900 --num_samples 8",
+    "--max_length 32768 --chunk_size 4096 --answer_reserve_tokens 64":
+        "--max_length 1024 --chunk_size 128 --answer_reserve_tokens 16",
+    "--bf16": "--max_steps 2",
+}
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|endoftext|>{{ message['role'] }}\n{{ message['content'] }}<|endoftext|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|endoftext|>assistant\n{% endif %}"
@@ -41,9 +61,38 @@ PROSE = ("The old clock on the tower struck noon while the river carried leaves 
          "full of news about markets, roads and distant wars. ")
 
 
+def code_blocks(path: Path) -> list[tuple[str, str]]:
+    """(language, code) of every fenced block of a Markdown file, in order."""
+    return re.findall(r"```(\w*)\n(.*?)```", path.read_text(encoding="utf-8"), re.DOTALL)
+
+
 def readme_blocks() -> list[tuple[str, str]]:
     """(language, code) of every bash and python block, in order."""
-    return re.findall(r"```(bash|python)\n(.*?)```", README.read_text(encoding="utf-8"), re.DOTALL)
+    return [(language, code) for language, code in code_blocks(README) if language in ("bash", "python")]
+
+
+def runs_elsewhere(code: str) -> bool:
+    """The install, quick start and recall blocks (see the module's docstring)."""
+    return INSTALL in code or all(command in code for command in QUICK_START) or RECALL in code
+
+
+def on_cpu(code: str) -> str:
+    """The GPU block as this test runs it."""
+    for gpu, cpu in ON_CPU.items():
+        assert code.count(gpu) == 1, f"the GPU block no longer says {gpu!r}: update ON_CPU"
+        code = code.replace(gpu, cpu)
+    return code
+
+
+def run_blocks(blocks: list[tuple[str, str]], work: Path, env: dict[str, str], source: str) -> None:
+    for number, (language, code) in enumerate(blocks):
+        if runs_elsewhere(code):
+            continue
+        if code.startswith(ON_GPUS):
+            code = on_cpu(code)
+        command = ["bash", "-euo", "pipefail", "-c", code] if language == "bash" else [sys.executable, "-c", code]
+        result = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True)
+        assert result.returncode == 0, f"{source} block {number} ({language}) failed:\n{code}\n{result.stderr[-4000:]}"
 
 
 def test_the_readme_shows_runnable_blocks_and_the_quick_start():
@@ -51,6 +100,31 @@ def test_the_readme_shows_runnable_blocks_and_the_quick_start():
     assert sum(all(command in code for command in QUICK_START) for _, code in blocks) == 1
     assert sum(RECALL in code for _, code in blocks) == 1
     assert len(blocks) >= 10 and {language for language, _ in blocks} == {"bash", "python"}
+    assert len(blocks) == len(code_blocks(README))  # no block in another language, which no test would run
+    [gpu] = [code for _, code in blocks if code.startswith(ON_GPUS)]
+    assert "accelerate launch" in gpu and "--state_passing 0.5" in on_cpu(gpu)
+    for page in DOCS_PAGES:
+        languages = [language for language, _ in code_blocks(page)]
+        assert languages and set(languages) <= {"bash", "python"}, page
+        assert not any(runs_elsewhere(code) or code.startswith(ON_GPUS) for _, code in code_blocks(page)), page
+    every_page = {path.name for path in (ROOT / "docs").glob("*.md")}
+    unrun = {"ARCHITECTURE.md"}  # its blocks are file trees, not commands
+    assert not {name for name in every_page - unrun if code_blocks(ROOT / "docs" / name)} - {p.name for p in DOCS_PAGES}
+
+
+def test_the_install_block_is_what_setup_env_installs():
+    [install] = [code for _, code in readme_blocks() if INSTALL in code]
+    assert "pip install torch==2.13.0\n" in install and "torch==2.13.0" in (ROOT / "scripts" / "setup_env.sh").read_text()
+    assert "pip install -e .  " in install
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg", encoding="utf-8")
+    pinned = [line for line in setup["options"]["install_requires"].split() if "<" in line]
+    assert len(pinned) == 5 and all(requirement in install for requirement in pinned)
+    extras = setup["options.extras_require"]
+    named = re.findall(r'pip install -e "\.\[(\w+)\]"', install)
+    assert named == ["trl", "peft", "lm_eval", "test"]
+    for extra in named:
+        assert all(requirement in install for requirement in extras[extra].split()), extra
 
 
 @pytest.fixture
@@ -103,18 +177,26 @@ def sandbox(tmp_path, tiny_tokenizer_dir, monkeypatch):
 
 
 def test_every_readme_block_runs_as_written(sandbox):
+    work, env, _ = sandbox
+    run_blocks(readme_blocks(), work, env, "README")
+    # what the blocks made is what they say
+    assert (work / "stores" / "corpus.h5").is_file() and (work / "stores" / "chats" / "meta.json").is_file()
+    assert (work / "outputs" / "lm_eval" / "lm_results.json").is_file()
+    assert (work / "outputs" / "lm_eval_harness" / "lm_eval_results.json").is_file()
+    for memory in ("qwen_memory", "qa1_32k", "dpo_memory", "lora_memory"):
+        assert {"memory_model.safetensors", "memory_config.json", "config.json"} <= set(
+            path.name for path in (work / "outputs" / memory).iterdir()), memory
+    assert (work / "outputs" / "lora_memory" / "adapter_model.safetensors").is_file()
+
+
+def test_every_docs_block_runs_as_written(sandbox):
     work, env, stub = sandbox
-    for number, (language, code) in enumerate(readme_blocks()):
-        if all(command in code for command in QUICK_START) or RECALL in code:
-            continue
-        command = ["bash", "-euo", "pipefail", "-c", code] if language == "bash" else [sys.executable, "-c", code]
-        result = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True)
-        assert result.returncode == 0, f"README block {number} ({language}) failed:\n{code}\n{result.stderr[-4000:]}"
+    for page in DOCS_PAGES:
+        run_blocks(code_blocks(page), work, env, f"docs/{page.name}")
     # what the blocks made is what they say
     assert (work / "stores" / "corpus.h5").is_file() and (work / "stores" / "chats" / "meta.json").is_file()
     assert (work / "outputs" / "eval" / "results.json").is_file()
     assert (work / "outputs" / "lm_eval" / "lm_results.json").is_file()
-    assert (work / "outputs" / "lm_eval_harness" / "lm_eval_results.json").is_file()
     for repo in ("your-name/qwen2.5-0.5b-titans-qa1",):
         assert {"memory_model.safetensors", "memory_config.json", "config.json", "README.md"} == set(stub.files[repo])
     # the accelerate hooks saved the memory folder in place of the whole model's weights
