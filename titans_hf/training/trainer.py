@@ -7,8 +7,8 @@ gigabytes of a full-model checkpoint (`titans_hf.training.checkpointing`). Every
 launched as a single process or with `accelerate launch --config_file titans_hf/accelerate/*.yaml`. The overrides
 are the Trainer's saving, loading and pushing hooks (`save_model`, `_save`, `_save_checkpoint`,
 `_load_from_checkpoint`, `push_to_hub`, ...) and its sampler hook, each calling the Trainer's own code where it has
-any, and its per-epoch sampler position. A step whose loss or gradients are not finite stops the run before
-anything is saved from it (`FiniteSteps`).
+any; the sampler follows the epochs through a callback (`SamplerStateCallback`). A step whose loss or gradients
+are not finite stops the run before anything is saved from it (`FiniteSteps`).
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ from titans_hf.modeling.memory_folder import (
 )
 from titans_hf.outputs import record_outputs, unrecorded_reason
 
+from .callbacks import SamplerStateCallback
 from .checkpointing import (
-    SAMPLER_STATE_NAME,
     TRAINING_ARGS_JSON_NAME,
     check_resume,
     checkpoint_problem,
@@ -216,8 +216,9 @@ class TitansTrainer(FiniteSteps, CompiledChunks, Trainer):
         if args.state_passing and not hasattr(model, "init_memory_states"):
             raise ValueError("state_passing carries a TitansQwen memory's state from row to row; this model has none")
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
-        self._train_sampler: ResumableSampler | ChunkCurriculumSampler | None = None
         self._passed_states: dict[int, MemoryState] | None = None
+        self._sampler_state = SamplerStateCallback()
+        self.add_callback(self._sampler_state)
 
     # ---- data ----
 
@@ -225,36 +226,16 @@ class TitansTrainer(FiniteSteps, CompiledChunks, Trainer):
         dataset = train_dataset if train_dataset is not None else self.train_dataset
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
         if self.args.curriculum_chunks is None:
-            self._train_sampler = ResumableSampler(dataset, shuffle=True, seed=seed)
+            sampler = ResumableSampler(dataset, shuffle=True, seed=seed)
         else:
-            self._train_sampler = ChunkCurriculumSampler(
+            sampler = ChunkCurriculumSampler(
                 count_chunks(dataset, self.data_collator.chunk_size),
                 self.args.curriculum_chunks,
                 self.args.curriculum_epochs_per_stage,
                 seed=seed,
             )
-        return self._train_sampler
-
-    def _run_epoch(self, model, epoch, train_dataloader, *args, **kwargs):
-        # The Trainer reaches the sampler's set_epoch only through accelerate's loader wrappers; when
-        # one of them does not forward it (seen after the resume skip, NOTES.md), a resumed epoch >= 1
-        # replays epoch 0's order. Setting it here, before the loader is iterated, covers every path.
-        sampler = self._train_sampler  # None for an IterableDataset, which has no sampler
-        resume_from_checkpoint = kwargs.get("resume_from_checkpoint")
-        if sampler is not None and resume_from_checkpoint is not None and epoch == kwargs.get("epochs_trained"):
-            sampler_state = Path(resume_from_checkpoint, SAMPLER_STATE_NAME)
-            if sampler_state.is_file():  # the saved seed wins over a changed --seed: same order as the run
-                try:
-                    sampler.load_state_dict(json.loads(sampler_state.read_text(encoding="utf-8")))
-                except (UnicodeDecodeError, json.JSONDecodeError, TypeError, KeyError, ValueError) as error:
-                    raise ValueError(f"{sampler_state}: not the state of this run's sampler ({error})") from error
-        if sampler is not None:
-            sampler.set_epoch(epoch)
-        if isinstance(sampler, ChunkCurriculumSampler) and self.is_world_process_zero():
-            stage = sampler.stage(epoch)
-            logger.info("epoch %d: curriculum stage %d, rows of <= %d chunks (%d rows)", epoch, stage,
-                        sampler.stages[stage], len(sampler.pools[stage]))
-        return super()._run_epoch(model, epoch, train_dataloader, *args, **kwargs)
+        self._sampler_state.sampler = sampler
+        return sampler
 
     def _set_signature_columns_if_needed(self) -> None:
         super()._set_signature_columns_if_needed()
@@ -313,6 +294,7 @@ class TitansTrainer(FiniteSteps, CompiledChunks, Trainer):
             check_resume(Path(resume_from_checkpoint), self.args, self.accelerator.unwrap_model(self.model),
                          self.train_dataset, main_process)
             warn_about_changed_arguments(Path(resume_from_checkpoint), self.args, main_process)
+        self._sampler_state.resume_from_checkpoint = str(resume_from_checkpoint) if resume_from_checkpoint else None
         with training_lock(self.args.output_dir) if self.is_world_process_zero() else contextlib.nullcontext():
             if not resume_from_checkpoint and self.args.save_strategy != "no":
                 refuse_earlier_checkpoints(self.args.output_dir)
@@ -394,8 +376,7 @@ class TitansTrainer(FiniteSteps, CompiledChunks, Trainer):
             if folder.exists():
                 shutil.rmtree(folder)
             folder.mkdir(parents=True)
-            if self._train_sampler is not None:
-                atomic_write_json(folder / SAMPLER_STATE_NAME, self._train_sampler.state_dict())
+            self._sampler_state.save(folder)
         self.accelerator.wait_for_everyone()
         if self._passed_states is not None:  # every process its own rows
             save_passed_states(folder / passed_states_name(self.args), self._passed_states)
