@@ -7,8 +7,9 @@ gigabytes of a full-model checkpoint (`titans_hf.training.checkpointing`). Every
 launched as a single process or with `accelerate launch --config_file titans_hf/accelerate/*.yaml`. The overrides
 are the Trainer's saving, loading and pushing hooks (`save_model`, `_save`, `_save_checkpoint`,
 `_load_from_checkpoint`, `push_to_hub`, ...) and its sampler hook, each calling the Trainer's own code where it has
-any; the sampler follows the epochs through a callback (`SamplerStateCallback`). A step whose loss or gradients
-are not finite stops the run before anything is saved from it (`FiniteSteps`).
+any; the sampler follows the epochs through a callback (`SamplerStateCallback`). `check_trainer_internals` names
+every private member of the Trainer relied on, and fails loudly when a transformers release moves one. A step whose
+loss or gradients are not finite stops the run before anything is saved from it (`FiniteSteps`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import transformers
 from accelerate.utils import TorchDynamoPlugin
 from torch import nn
 from torch.utils.data import Sampler
@@ -76,6 +78,57 @@ from .training_args import TitansTrainingArguments
 from .training_lock import training_lock
 
 logger = logging.getLogger(__name__)
+
+# The private members of `transformers.Trainer` relied on, each with the parameters it takes (less `self`): the hooks
+# overridden by `TitansTrainer`, `CompiledChunks` and the TRL trainers' `MemoryCheckpoints`, the methods called
+# (`_get_output_dir`, `_prepare_inputs`), and `save_model`'s `_internal_call`, with which the Trainer saves a
+# checkpoint's weights.
+TRAINER_INTERNALS: dict[str, tuple[str, ...]] = {
+    "_build_accelerator_args": ("kwargs",),
+    "_get_train_sampler": ("train_dataset",),
+    "_set_signature_columns_if_needed": (),
+    "_save": ("output_dir", "state_dict"),
+    "_save_checkpoint": ("model", "trial"),
+    "_save_optimizer_and_scheduler": ("output_dir",),
+    "_push_from_checkpoint": ("checkpoint_folder",),
+    "_load_from_checkpoint": ("resume_from_checkpoint", "model"),
+    "_load_best_model": (),
+    "_load_optimizer_and_scheduler": ("checkpoint",),
+    "_load_rng_state": ("checkpoint",),
+    "_get_output_dir": ("trial",),
+    "_prepare_inputs": ("inputs",),
+    "save_model": ("output_dir", "_internal_call"),
+}
+# The private attributes of a Trainer read, each with the Trainer method that sets it.
+TRAINER_ATTRIBUTES = {"_signature_columns": "_set_signature_columns_if_needed"}
+# The names of the Trainer's checkpoint files, read from `transformers.trainer`.
+TRAINER_CONSTANTS = ("OPTIMIZER_NAME", "SCHEDULER_NAME", "TRAINER_STATE_NAME")
+
+
+def check_trainer_internals() -> None:
+    """The private members of `transformers.Trainer` that `TitansTrainer` relies on (`TRAINER_INTERNALS`,
+    `TRAINER_ATTRIBUTES`, `TRAINER_CONSTANTS`) are where they were, taking the parameters they took; a RuntimeError
+    naming each one that moved, when one did. `TitansTrainer` calls it when it is constructed."""
+    problems = []
+    for name, parameters in TRAINER_INTERNALS.items():
+        member = getattr(Trainer, name, None)
+        if not callable(member):
+            problems.append(f"transformers.Trainer.{name} is gone")
+            continue
+        taken = tuple(inspect.signature(member).parameters)[1:]
+        if taken != parameters:
+            problems.append(f"transformers.Trainer.{name} takes ({', '.join(taken)}), not ({', '.join(parameters)})")
+    for attribute, setter in TRAINER_ATTRIBUTES.items():
+        code = getattr(getattr(Trainer, setter, None), "__code__", None)
+        if code is None or attribute not in code.co_names:
+            problems.append(f"transformers.Trainer.{setter} no longer sets self.{attribute}")
+    for name in TRAINER_CONSTANTS:
+        if not isinstance(getattr(hf_trainer, name, None), str):
+            problems.append(f"transformers.trainer.{name} is gone")
+    if problems:
+        raise RuntimeError(f"titans_hf's TitansTrainer relies on private members of transformers.Trainer that "
+                           f"transformers {transformers.__version__} moved: " + "; ".join(problems))
+
 
 def answer_exact_match(prediction: EvalPrediction) -> dict[str, float]:
     """`compute_metrics` for rows whose labelled tokens are an answer (BABILong): the share of rows whose every
@@ -190,6 +243,7 @@ class TitansTrainer(FiniteSteps, CompiledChunks, Trainer):
     """
 
     def __init__(self, model: nn.Module, args: TitansTrainingArguments, data_collator=None, **kwargs):
+        check_trainer_internals()
         if not isinstance(args, TitansTrainingArguments):
             raise ValueError(f"args must be TitansTrainingArguments, got {type(args).__name__}")
         if type(model).__module__.startswith("peft.") and hasattr(getattr(model, "config", None), "memory_config"):
