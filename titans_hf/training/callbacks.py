@@ -21,9 +21,10 @@ class SamplerStateCallback(TrainerCallback):
     """The training sampler's epoch and state (a `ResumableSampler`, or a `ChunkCurriculumSampler` for a length
     curriculum), so that a resumed run draws the rows in the order the interrupted one would have.
 
-    - At the start of each epoch the sampler is set to it, before the loader is iterated: the Trainer reaches the
-      sampler's `set_epoch` only through accelerate's loader wrappers, and the one that skips a resumed epoch's
-      trained batches does not forward it, so a resumed epoch >= 1 would replay epoch 0's order.
+    - At the start of each epoch the sampler is set to it, before the loader is iterated. The Trainer reaches the
+      sampler's `set_epoch` only through accelerate's loader, which forwards it through a limited depth of batch
+      sampler wrappers; the wrapper that skips a resumed epoch's trained batches can put the sampler beyond that
+      depth, and a resumed epoch >= 1 would then replay epoch 0's order.
     - At the first epoch of a resumed run, the sampler first takes the state saved in the checkpoint
       (`sampler_state.json`): the saved seed wins over a changed `--seed`.
     - `save` writes that state into a checkpoint folder; `TitansTrainer` calls it before the Trainer writes the

@@ -239,7 +239,25 @@ class TitansTrainer(FiniteSteps, CompiledChunks, Trainer):
     collator, memory-only checkpoints that resume exactly, memory-only pushes with a model card.
 
     Works for any model whose frozen parameters are the base; only `requires_grad` parameters are
-    checkpointed. A model with a `config.memory_config` (a TitansQwen) gets it written beside its weights.
+    checkpointed. A model with a `config.memory_config` (a TitansQwen) gets it written beside its weights. dpo and
+    grpo rows (a prompt and a group of completions each) train with the losses of `titans_hf.training.preference`.
+
+    Args:
+        model (`nn.Module`):
+            The model to train: a `TitansQwenForCausalLM` (with a LoRA of its base put on in place by
+            `titans_hf.lora.add_lora`, if any), or any model whose trainable parameters are what to train and
+            checkpoint. A `peft.get_peft_model` wrapper around a TitansQwen is refused: PEFT froze its memory.
+        args (`TitansTrainingArguments`):
+            The training arguments; plain `TrainingArguments` are refused.
+        data_collator (`Callable`, *optional*, defaults to `None`):
+            What batches the rows. None: a `TitansDataCollator` for windows, or a `CompletionsCollator` when
+            `train_dataset` holds dpo or grpo rows (a `prompt_ids` column), its pad id from `processing_class` (else
+            the model's config) and its chunk size from the model's `memory_config`. A length curriculum needs a
+            collator with a `chunk_size`.
+        **kwargs:
+            The other arguments of `transformers.Trainer` (`train_dataset`, `eval_dataset`, `processing_class`,
+            `compute_metrics`, `callbacks`, ...), passed on as they are. `compute_metrics=answer_exact_match` reports
+            the exact match of the labelled answers from the greedy predictions a TitansQwen returns.
     """
 
     def __init__(self, model: nn.Module, args: TitansTrainingArguments, data_collator=None, **kwargs):
