@@ -21,7 +21,7 @@ from transformers import AutoTokenizer, TrainerCallback
 from titans_hf.data.prepare import prepare
 from titans_hf.modeling import TitansQwenForCausalLM
 from titans_hf.training import TitansTrainer, TitansTrainingArguments
-from titans_hf.training.trainer import checkpoint_problem
+from titans_hf.training.checkpointing import checkpoint_problem
 
 
 def checksums(folder: Path) -> dict[str, str]:
@@ -69,7 +69,7 @@ def test_a_broken_memory_file_is_passed_over_on_resume_and_named_when_asked_for(
         make_trainer(tiny_qwen3_dir, checkpoints, rows, max_steps=2).train(
             resume_from_checkpoint=str(checkpoints / "checkpoint-2"))
     trainer = make_trainer(tiny_qwen3_dir, checkpoints, rows, max_steps=2, save_strategy="no")
-    with caplog.at_level(logging.WARNING, logger="titans_hf.training.trainer"):
+    with caplog.at_level(logging.WARNING, logger="titans_hf.training.checkpointing"):
         trainer.train(resume_from_checkpoint=True)  # checkpoint-1 is complete: 1 more step from there
     assert trainer.state.global_step == 2
     assert any(f"skipping the incomplete checkpoint {checkpoints / 'checkpoint-2'}" in r.getMessage()
@@ -79,13 +79,13 @@ def test_a_broken_memory_file_is_passed_over_on_resume_and_named_when_asked_for(
 
 def test_resuming_with_changed_settings_names_each_of_them(tiny_qwen3_dir, rows, checkpoints, caplog):  # noqa: F811
     same = make_trainer(tiny_qwen3_dir, checkpoints, rows, max_steps=2, save_strategy="no", logging_steps=2)
-    with caplog.at_level(logging.WARNING, logger="titans_hf.training.trainer"):
+    with caplog.at_level(logging.WARNING, logger="titans_hf.training.checkpointing"):
         same.train(resume_from_checkpoint=True)
     assert not [r for r in caplog.records if "changed settings" in r.getMessage()]  # logging does not count
 
     changed = make_trainer(tiny_qwen3_dir, checkpoints, rows, max_steps=2, save_strategy="no", learning_rate=5e-3,
                            gradient_accumulation_steps=3)
-    with caplog.at_level(logging.WARNING, logger="titans_hf.training.trainer"):
+    with caplog.at_level(logging.WARNING, logger="titans_hf.training.checkpointing"):
         changed.train(resume_from_checkpoint=True)
     (message,) = [r.getMessage() for r in caplog.records if "changed settings" in r.getMessage()]
     assert "checkpoint-2" in message

@@ -351,7 +351,7 @@ def test_an_interrupted_checkpoint_is_never_resumed_from(tiny_qwen3_dir, rows, u
 
     # resuming takes the last complete checkpoint, says it passed over checkpoint-2, rewrites it, ends exact
     resumed = make_trainer(tiny_qwen3_dir, tmp_path, rows, save_total_limit=2)
-    with caplog.at_level(logging.WARNING, logger="titans_hf.training.trainer"):
+    with caplog.at_level(logging.WARNING, logger="titans_hf.training.checkpointing"):
         resumed.train(resume_from_checkpoint=True)
     assert any("skipping the incomplete checkpoint" in r.getMessage() and "checkpoint-2" in r.getMessage()
                for r in caplog.records)

@@ -7,7 +7,7 @@ Two kinds of data, one recipe (`--dataset`):
   the exact match of the answers.
 - `titans_tokens`: your own long documents, `titans-hf prepare`d into `seq` or `sft` token stores, read as windows
   of `--window_size` tokens (many chunks each), or `dpo` / `grpo` stores, read as whole records (a prompt and its
-  answers; see `titans_hf.training.trainer.completions_loss`); held out by `--eval_data_files` or a seeded
+  answers; see `titans_hf.training.preference.completions_loss`); held out by `--eval_data_files` or a seeded
   `train_ratio` split.
 
 Single process, or::

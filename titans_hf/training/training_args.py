@@ -12,28 +12,46 @@ from transformers import TrainingArguments
 
 @dataclass
 class TitansTrainingArguments(TrainingArguments):
-    """`TrainingArguments` with the seed recipe's batch settings, a logging cadence in micro-batches, a length
-    curriculum and the Hub datasets named on a pushed model card.
+    """`TrainingArguments` for training a memory: the seed recipe's batch settings, a logging cadence counted in
+    micro-batches, a length curriculum, State Passing, DPO's beta, and what a push names on its model card; every other
+    argument is the `TrainingArguments`' own. Under a multi-process launch on a machine without an accelerator,
+    `use_cpu` is set, so that the processes join one gloo DDP group (accelerate's launcher does not pass its config's
+    `use_cpu` on).
 
     Args:
-        per_device_train_batch_size: rows per device per micro-batch (default 1: one 32k row is what fits).
-        gradient_accumulation_steps: micro-batches per optimizer step (default 8).
-        logging_steps: optimizer steps between log lines; when not given, `log_every_batches` decides it.
-        log_every_batches: a log line every this many micro-batches, i.e. `logging_steps = ceil(log_every_batches
-            / gradient_accumulation_steps)`, used only when `logging_steps` is not given (None: the Trainer's 500).
-        curriculum_chunks: chunk-count caps, one per stage, increasing (e.g. 1 2 4 8): stage s trains on the rows
-            of at most `curriculum_chunks[s]` chunks, the last stage stays. None: no curriculum.
-        curriculum_epochs_per_stage: epochs spent in each curriculum stage before the next one.
-        state_passing: share of training rows (0 to 1) whose memory starts from the state the row in the same place
-            of the previous micro-batch ended in (detached), instead of a fresh state: the read path then learns on
-            states that have taken many more updates than one row brings (State Passing). Default 0.
-        dpo_beta: DPO's beta for dpo rows (TRL's default, 0.1).
-        hub_dataset_ids: Hub ids of the datasets trained on, written into the model card of a push.
-        overwrite_output_dir: let a fresh run replace the memory folder an earlier run saved in `output_dir` (only
-            the files titans_hf wrote there and recorded in its `.titans_hf_outputs.json`; a user's own files of the
-            same names are never replaced).
-        hub_base_model: the base's Hub id for pushes, when the base was loaded from a local folder (a local path
-            never goes into a pushed card or config).
+        per_device_train_batch_size (`int`, *optional*, defaults to `1`):
+            Rows per device per micro-batch: one 32k-token row is what fits.
+        gradient_accumulation_steps (`int`, *optional*, defaults to `8`):
+            Micro-batches per optimizer step.
+        logging_steps (`float`, *optional*, defaults to `None`):
+            Optimizer steps between log lines (a float below 1: that share of all steps). When not given,
+            `log_every_batches` decides it.
+        log_every_batches (`int`, *optional*, defaults to `80`):
+            A log line every this many micro-batches, i.e. `logging_steps = ceil(log_every_batches /
+            gradient_accumulation_steps)`, used only when `logging_steps` is not given. None: the Trainer's 500
+            steps.
+        curriculum_chunks (`list[int]`, *optional*, defaults to `None`):
+            The chunk-count caps of a length curriculum, one per stage, strictly increasing (e.g. `[1, 2, 4, 8]`):
+            stage s trains on the rows of at most `curriculum_chunks[s]` chunks, and the last stage stays. None: no
+            curriculum.
+        curriculum_epochs_per_stage (`int`, *optional*, defaults to `1`):
+            Epochs spent in each curriculum stage before the next one.
+        state_passing (`float`, *optional*, defaults to `0.0`):
+            Share of training rows (0 to 1) whose memory starts from the state the row in the same place of the
+            previous micro-batch ended in (detached), instead of a fresh state: the read path then learns on states
+            that have taken many more updates than one row brings (State Passing).
+        dpo_beta (`float`, *optional*, defaults to `0.1`):
+            DPO's beta for dpo rows (TRL's default): how far the memory may move the answers' log-ratio against the
+            model with its memory switched off.
+        hub_dataset_ids (`list[str]`, *optional*, defaults to `None`):
+            Hub ids of the datasets trained on, written into the model card of a push.
+        overwrite_output_dir (`bool`, *optional*, defaults to `False`):
+            Let a fresh run replace the memory folder an earlier run saved in `output_dir`: only the files titans_hf
+            wrote there and recorded in its `.titans_hf_outputs.json` (a user's own files of the same names are never
+            replaced).
+        hub_base_model (`str`, *optional*, defaults to `None`):
+            The base's Hub id for pushes, when the base was loaded from a local folder (a local path never goes into
+            a pushed card or config).
     """
 
     per_device_train_batch_size: int = field(

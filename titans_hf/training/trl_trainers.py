@@ -28,7 +28,8 @@ from trl.trainer.utils import add_fused_lm_head
 
 from titans_hf.modeling import TitansQwenForCausalLM
 
-from .trainer import CompiledChunks, FiniteSteps, load_memory_checkpoint
+from .checkpointing import load_memory_checkpoint
+from .trainer import CompiledChunks, FiniteSteps
 
 
 # the columns of a tokenized DPO row, as TRL 1.16's collator reads them (and a titans_tokens dpo store yields them)
