@@ -3,7 +3,7 @@ through `generate`, with tokens/s and peak memory at each length.
 
 Each measurement runs in a process of its own, so its peak resident memory is its own:
 
-* ``eval`` at every ``--chunks`` (default 1024 and 4096 chunks): generated QA1 rows (seed 11, as the README's tables)
+* ``eval`` at every ``--chunks`` (default 1024 and 4096 chunks): generated QA1 rows (seed 11, as docs/results.md's tables)
   scored with the memory on (and off with ``--ablation``), accuracy, accuracy where the last place mentioned is
   wrong, accuracy by distance, prompt tokens/s and peak memory;
 * ``stream`` at every ``--stream-tokens`` (default 32768, 131072 and 1048576): one QA1 row of that many input

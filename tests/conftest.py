@@ -42,7 +42,7 @@ def tokenizer_corpus() -> list[str]:
 # The tests that take minutes, scheduled first: `pytest -n 2 --dist loadgroup` (scripts/test.sh) hands out tests in
 # this order, one at a time as workers free up, so these two start at once on different workers and the rest fills in
 # beside them (`--dist loadfile` would start the files with the most tests first, and these last).
-SLOWEST_TESTS = ("test_every_readme_block_runs_as_written",
+SLOWEST_TESTS = ("test_every_readme_block_runs_as_written", "test_every_docs_block_runs_as_written",
                  "test_readme_recall_block_trains_evaluates_reports_and_reuses_base_and_data")
 
 

@@ -35,7 +35,7 @@ from titans_hf.outputs import (
     unrecorded_reason,
     writing_folder,
 )
-from titans_hf.training.trainer import LOCK_NAME
+from titans_hf.training.training_lock import LOCK_NAME
 
 
 def checksums(root: Path) -> dict[str, str]:

@@ -234,7 +234,7 @@ def fsdp_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) 
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from titans_hf.training.trainer import (
+    from titans_hf.training.checkpointing import (
         gather_optimizer_state_dict,
         gather_trainable_state_dict,
         load_optimizer_state_dict,

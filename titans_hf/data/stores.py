@@ -65,7 +65,7 @@ METADATA_FIELDS = ("train_type", "tokenizer", "vocab_size", "eos_token_id", "pad
 MAX_H5_EXPANSION = 1032
 # Arrow columns and torch tensors hold ids as int32: a larger id would wrap negative.
 MAX_TOKEN_ID = 2**31 - 1
-# The largest |reward| a store may hold. GRPO's advantages (`titans_hf.training.trainer.group_advantages`) subtract a
+# The largest |reward| a store may hold. GRPO's advantages (`titans_hf.training.preference.group_advantages`) subtract a
 # group's mean and divide by its standard deviation, in float32 like the log-probabilities (largest value 3.4e38):
 # two rewards of 3e38 already sum to inf and make the whole group NaN. Within +-1e9 every deviation from the mean is
 # below 2e9, its square below 4e18, and a sum of such squares stays below 3.4e38 for groups of up to 8e19 responses,

@@ -319,7 +319,7 @@ def generate_document(
     least `min_distance` units ago is referred to (at most `max_references` times each), by an echo of its
     statement's cue ("Orlen's horse Tamsin ...") with probability `echo_rate`, else by an action ("Orlen saddled
     Tamsin ..."). Values are distinct within a document, drawn from `pool` (default `VALUE_POOL`); people from
-    `people` (default `people_pool()`). The defaults are those the recall recipe was measured with (README).
+    `people` (default `people_pool()`). The defaults are those the recall recipe was measured with (docs/results.md).
     """
     pool = VALUE_POOL if pool is None else pool
     people = people_pool() if people is None else people
