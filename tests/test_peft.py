@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingA
 from titans_hf.data.collator import TitansDataCollator
 from titans_hf.lora import add_lora, has_lora
 from titans_hf.modeling import TitansQwenForCausalLM
+from titans_hf.modeling.loading_titans_qwen import file_key, is_memory_name
 from titans_hf.modeling.memory_folder import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_WEIGHTS_NAME,
@@ -46,7 +47,7 @@ def parts(model) -> dict[str, dict[str, torch.Tensor]]:
     """The model's weights by part: base, memory, lora."""
     groups = {"base": {}, "memory": {}, "lora": {}}
     for name, param in model.named_parameters():
-        part = "lora" if ".lora_" in name else "memory" if not name.startswith(("model.", "lm_head.")) else "base"
+        part = "lora" if ".lora_" in name else "memory" if is_memory_name(name) else "base"
         groups[part][name] = param.detach().clone()
     return groups
 
@@ -189,7 +190,8 @@ def test_a_saved_folder_holds_the_memory_and_peft_adapter_and_reloads_to_equal_l
     model.save_pretrained(folder)
     assert {path.name for path in folder.iterdir()} == FOLDER_FILES
     memory = safetensors.torch.load_file(folder / MEMORY_WEIGHTS_NAME)
-    assert memory.keys() == parts(model)["memory"].keys()  # the memory file: the memory alone, as without LoRA
+    # the memory file: the memory alone, as without LoRA, under its file keys
+    assert memory.keys() == {file_key(name) for name in parts(model)["memory"]}
     adapter = safetensors.torch.load_file(folder / ADAPTER_WEIGHTS_NAME)
     assert sorted(adapter) == sorted(f"base_model.model.model.layers.{i}.self_attn.{p}.lora_{ab}.weight"
                                      for i in range(2) for p in TARGETS for ab in "AB")  # PEFT's keys
