@@ -6,6 +6,7 @@ written here with the public modules, and from the model fed the same tokens in 
 
 import contextlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -559,6 +560,29 @@ def test_the_decoders_last_hidden_state_is_the_last_of_the_hidden_states(tiny_qw
     assert torch.equal(decoded.last_hidden_state, every[-1])
     assert all(torch.equal(ours, theirs) for ours, theirs in zip(hidden.hidden_states, every, strict=True))
     assert torch.equal(hidden.last_hidden_state, every[-1])
+
+
+def test_get_decoder_returns_the_recorded_hidden_states(tmp_path):
+    """`get_decoder()` returns the last hidden states, normed, of the chunk loop with the memory: bitwise what it
+    returned before the decoder held the memory (titans_hf 0.3.0, where it was a view running the causal LM's own
+    loop), recorded in tests/data/decoder_hidden_states.safetensors for a tiny Qwen3 (build_qwen: vocab 96, seed 0),
+    memories after both layers (their W_O drawn as `build` draws them) and a batch of a row of 21 tokens and a row
+    left-padded by 14 (off the chunk cycle): the chunk loop with the previous chunk (mag), the layer-major stream
+    (mal, chunk-local) and prefix tokens (mac)."""
+    from safetensors.torch import load_file
+
+    from titans_hf.testing_utils import build_qwen
+
+    recorded = load_file(str(Path(__file__).parent / "data" / "decoder_hidden_states.safetensors"))
+    build_qwen(tmp_path, vocab_size=96, family="qwen3", seed=0)
+    settings = {"mag": dict(variant="mag"), "mal_chunk_local": dict(variant="mal", attend_previous_chunk=False),
+                "mac": VARIANT_SETTINGS["mac"]}
+    for name, variant in settings.items():
+        model = build(tmp_path, memory_layers=[0, 1], **variant)
+        with torch.no_grad():
+            hidden = model.get_decoder()(input_ids=recorded["input_ids"],
+                                         attention_mask=recorded["attention_mask"]).last_hidden_state
+        assert torch.equal(hidden, recorded[name]), name
 
 
 def test_inputs_embeds_equal_input_ids(tiny_qwen3_dir):
