@@ -11,7 +11,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend  # counts the graphs compiled (torch's own test helper)
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from titans_hf.modeling import TitansQwenConfig, TitansQwenForCausalLM
+from titans_hf.modeling import TitansQwenConfig, TitansQwenForCausalLM, TitansQwenModel
 
 CHUNK = 8
 
@@ -64,7 +64,7 @@ def assert_same_step(compiled, eager) -> None:
     torch.testing.assert_close(compiled[0], eager[0], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(compiled[1], eager[1], rtol=1e-6, atol=1e-6)
     assert compiled[2].keys() == eager[2].keys()
-    assert any(name.startswith("memory.") for name in eager[2])
+    assert any(name.startswith("model.memory.") for name in eager[2])
     for name in eager[2]:
         torch.testing.assert_close(compiled[2][name], eager[2][name], rtol=1e-5, atol=1e-6, msg=name)
 
@@ -115,7 +115,7 @@ def test_compiled_chunks_equal_the_layer_major_stream(one_thread):
     chunk: the same logits and hidden states, padding included."""
     model = tiny_model(attend_previous_chunk=False).eval()
     ids, mask = padded_batch(5 * CHUNK + 3, seed=4)
-    assert model._runs_layer_major(ids.shape[1], None, False)
+    assert model.model._runs_layer_major(ids.shape[1], None, False)
     with torch.no_grad():
         eager = model(ids, attention_mask=mask, output_hidden_states=True)
         graphs = CompileCounterWithBackend("eager")  # no backward to split: dynamo's graphs, run as they are
@@ -131,9 +131,9 @@ def test_compiled_chunks_equal_the_layer_major_stream(one_thread):
 def test_the_model_sets_how_many_graphs_its_step_may_compile(one_thread):
     """torch's recompile limit (8 per function) counts the step's graphs of every model, mode and backend in the
     process together, and fullgraph=True turns reaching it into an error; the model's own limit applies instead."""
-    assert TitansQwenForCausalLM.COMPILED_CHUNK_GRAPHS > 8
+    assert TitansQwenModel.COMPILED_CHUNK_GRAPHS > 8
     model = tiny_model(attend_previous_chunk=False).eval()
-    model.COMPILED_CHUNK_GRAPHS = 2  # the stream below needs 3 graphs
+    model.model.COMPILED_CHUNK_GRAPHS = 2  # the stream below needs 3 graphs
     ids, mask = padded_batch(5 * CHUNK + 3, seed=4)
     with torch.no_grad(), pytest.raises(Exception) as refused:
         model.compile_chunks(backend="eager")(ids, attention_mask=mask)
@@ -164,7 +164,7 @@ def test_titans_trainer_torch_compile_compiles_the_chunk_step_not_the_model(one_
                                 data_collator=TitansDataCollator(pad_token_id=0, chunk_size=CHUNK))
         trainer.train()
         trained[compiled] = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
-    assert model._compiled_chunk_step is not None
+    assert model.model._compiled_chunk_step is not None
     assert trainer.accelerator.state.dynamo_plugin.backend == DynamoBackend.NO
     assert not isinstance(trainer.model_wrapped, torch._dynamo.eval_frame.OptimizedModule)
     assert trained[True].keys() == trained[False].keys()

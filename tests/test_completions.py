@@ -17,9 +17,10 @@ from titans_hf.commands import main as cli_main
 from titans_hf.data.collator import CompletionsCollator
 from titans_hf.data.prepare import prepare
 from titans_hf.modeling import TitansQwenForCausalLM
+from titans_hf.modeling.loading_titans_qwen import is_memory_name
 from titans_hf.modeling.memory_folder import MEMORY_WEIGHTS_NAME
 from titans_hf.training import TitansTrainer, TitansTrainingArguments
-from titans_hf.training.trainer import completions_loss, group_advantages
+from titans_hf.training.preference import completions_loss, group_advantages
 
 CHUNK = 8
 
@@ -35,7 +36,7 @@ def open_memory(model: TitansQwenForCausalLM) -> None:
     torch.manual_seed(1)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.startswith("memory.") and param.dim() == 2 and not param.any():
+            if name.startswith("model.memory.") and param.dim() == 2 and not param.any():
                 param.normal_(std=0.5)
 
 
@@ -78,7 +79,7 @@ def test_completion_log_probs_read_the_prompt_once_and_equal_whole_rows(tiny_qwe
     torch.testing.assert_close(scored.detach(), expected.detach(), atol=1e-5, rtol=1e-5)
     for name, grad in fast.items():
         torch.testing.assert_close(grad, model.get_parameter(name).grad, atol=1e-5, rtol=1e-4, msg=name)
-    assert any(grad.abs().sum() > 0 for name, grad in fast.items() if name.startswith("memory."))
+    assert any(grad.abs().sum() > 0 for name, grad in fast.items() if name.startswith("model.memory."))
 
 
 def test_completions_collator_pads_prompts_left_and_answers_right():
@@ -117,7 +118,7 @@ def test_losses_have_their_known_values(tiny_qwen3_dir):
     assert all(not p.grad.any() for p in model.parameters() if p.grad is not None)
     unequal = {**equal, "rewards": torch.tensor([[2.0, -1.0]])}
     completions_loss(model, unequal, dpo_beta=0.1).backward()
-    assert any(p.grad.abs().sum() > 0 for name, p in model.named_parameters() if name.startswith("memory."))
+    assert any(p.grad.abs().sum() > 0 for name, p in model.named_parameters() if name.startswith("model.memory."))
 
 
 def write_jsonl(path, records):
@@ -134,7 +135,7 @@ def test_titans_hf_train_on_a_dpo_store(tiny_qwen3_dir, tiny_tokenizer_dir, tmp_
     [store] = prepare(write_jsonl(tmp_path / "pairs.jsonl", records), tmp_path / "pairs.h5", tiny_tokenizer_dir,
                       train_type="dpo")
     base = {name: t.clone() for name, t in memory_model(tiny_qwen3_dir).state_dict().items()
-            if name.startswith(("model.", "lm_head."))}
+            if not is_memory_name(name)}
     start = memory_model(tiny_qwen3_dir).memory_state_dict()
     assert cli_main([
         "train", "--dataset", "titans_tokens", "--train_type", "dpo", "--data_files", str(store),
@@ -162,7 +163,7 @@ def test_titans_trainer_on_grpo_rows_in_python(tiny_qwen3_dir, tiny_tokenizer_di
     rows = datasets.load_dataset("titans_tokens", data_files=f"{store}/*", train_type="grpo",
                                  cache_dir=str(tmp_path / "cache"))["train"]
     model = memory_model(tiny_qwen3_dir)
-    base = {name: t.clone() for name, t in model.state_dict().items() if name.startswith(("model.", "lm_head."))}
+    base = {name: t.clone() for name, t in model.state_dict().items() if not is_memory_name(name)}
     start = {name: t.clone() for name, t in model.memory_state_dict().items()}
     args = TitansTrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2,
                                    gradient_accumulation_steps=1, max_steps=3, learning_rate=1e-2, logging_steps=1,
@@ -242,4 +243,4 @@ def test_checkpointed_prompt_chunks_are_recomputed_and_score_as_without(tiny_qwe
     torch.testing.assert_close(checkpointed, cached, atol=1e-5, rtol=1e-5)
     for name, grad in cached_grads.items():
         torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
-    assert any(grad.abs().sum() > 0 for name, grad in grads.items() if name.startswith("memory."))
+    assert any(grad.abs().sum() > 0 for name, grad in grads.items() if name.startswith("model.memory."))

@@ -67,7 +67,7 @@ def completion_batches(rank: int, vocab: int) -> tuple[dict, dict]:
 
 def rank_loss(model, mode: str, rank: int) -> torch.Tensor:
     """The loss of one rank's batch: the LM loss of its windows, or the DPO + GRPO loss of its completions."""
-    from titans_hf.training.trainer import completions_loss
+    from titans_hf.training.preference import completions_loss
 
     vocab = model.config.text_config.vocab_size
     if mode.startswith("lm"):

@@ -577,7 +577,7 @@ def test_a_pushed_memory_loads_by_repo_id_in_a_fresh_process(hub, hub_token, tin
     model = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, chunk_size=8, memory_chunk_size=4, memory_head_dim=16)
     with torch.no_grad():  # a trained memory: W_O and the gates off their (zero) init, so the memory shows
         for name, param in model.named_parameters():
-            if name.startswith("memory."):
+            if name.startswith("model.memory."):
                 param.add_(0.1 * torch.randn_like(param))
     ids = list(range(5, 25))
     with torch.no_grad():

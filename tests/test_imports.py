@@ -17,8 +17,8 @@ PACKAGE = Path(titans_hf.__file__).resolve().parent
 MODULES = sorted(".".join(("titans_hf", *path.relative_to(PACKAGE).with_suffix("").parts)).removesuffix(".__init__")
                  for path in PACKAGE.rglob("*.py") if path.name != "__main__.py")
 # What the model loads only when a method needs it: pushing to the Hub, and a LoRA adapter (PEFT) beside the memory.
-MODEL_CALL_TIME_IMPORTS = {("titans_hf.modeling.modeling_titans_qwen", "titans_hf.hub"),
-                           ("titans_hf.modeling.modeling_titans_qwen", "titans_hf.lora")}
+MODEL_CALL_TIME_IMPORTS = {("titans_hf.modeling.loading_titans_qwen", "titans_hf.hub"),
+                           ("titans_hf.modeling.loading_titans_qwen", "titans_hf.lora")}
 
 LOADED = """
 import importlib, json, sys

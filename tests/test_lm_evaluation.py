@@ -38,7 +38,7 @@ def test_loss_per_chunk_equals_the_hand_computed_loss_with_and_without_memory(ti
     model = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, chunk_size=8, memory_chunk_size=4, memory_head_dim=16)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.startswith("memory."):
+            if name.startswith("model.memory."):
                 param.add_(0.2 * torch.randn_like(param))
     generator = torch.Generator().manual_seed(1)
     windows = []

@@ -6,6 +6,7 @@ written here with the public modules, and from the model fed the same tokens in 
 
 import contextlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +15,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import titans_hf  # noqa: F401  (registers the Auto classes)
 import titans_hf.modeling.modeling_titans_qwen
-from titans_hf.modeling import TitansCache, TitansQwenConfig, TitansQwenForCausalLM
+from titans_hf.modeling import TitansCache, TitansQwenConfig, TitansQwenForCausalLM, TitansQwenModel
+from titans_hf.modeling.loading_titans_qwen import is_memory_name
 
 SMALL_MEMORY = dict(chunk_size=8, memory_chunk_size=4, memory_num_heads=2, memory_head_dim=16)
 VARIANT_SETTINGS = {
@@ -294,9 +296,9 @@ def test_last_chunk_loss_trains_memory_through_the_first_chunk(tiny_qwen2_dir):
 
     model, grad = first_chunk_gradient()
     assert grad is not None and grad.abs().sum() > 0
-    assert all(p.grad is None for n, p in model.named_parameters() if n.startswith(("model.", "lm_head.")))
+    assert all(p.grad is None for n, p in model.named_parameters() if not is_memory_name(n))  # the base's
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert trainable == set(model.memory_state_dict())
+    assert trainable == set(model.memory_parameter_names().values())
     assert all(model.get_parameter(n).grad.abs().sum() > 0 for n in trainable)
     # truncated backprop every chunk cuts exactly that path
     _, cut = first_chunk_gradient(bptt_chunks=1)
@@ -360,12 +362,12 @@ def test_full_save_pretrained_round_trips_through_auto_classes(tmp_path, tiny_qw
     ids = random_ids(model.config.text_config.vocab_size, (1, 20), seed=8)
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
-    assert not any(p.requires_grad for n, p in loaded.named_parameters() if n.startswith("model."))
+    assert not any(p.requires_grad for n, p in loaded.named_parameters() if not is_memory_name(n))
     # in bf16 the backbone follows the request while the (small, finely trained) memory stays fp32
     half = AutoModelForCausalLM.from_pretrained(tmp_path / "full", dtype=torch.bfloat16).eval()
     dtypes = {n: p.dtype for n, p in half.named_parameters()}
-    assert {d for n, d in dtypes.items() if n.startswith("memory.")} == {torch.float32}
-    assert {d for n, d in dtypes.items() if n.startswith("model.")} == {torch.bfloat16}
+    assert {d for n, d in dtypes.items() if n.startswith("model.memory.")} == {torch.float32}
+    assert {d for n, d in dtypes.items() if not is_memory_name(n)} == {torch.bfloat16}
     with torch.no_grad():
         assert half(ids).logits.dtype == torch.bfloat16
 
@@ -485,28 +487,32 @@ def test_previous_chunk_window_keys_move_as_rope_composes(tiny_qwen3_dir):
         cos, sin = rotary(keys, torch.tensor([positions]))
         return keys * cos.unsqueeze(1) + modeling_qwen3.rotate_half(keys) * sin.unsqueeze(1)
 
-    torch.testing.assert_close(model._move_keys(rotated(list(range(8, 13))), -8), rotated(list(range(5))),
+    torch.testing.assert_close(model.model._move_keys(rotated(list(range(8, 13))), -8), rotated(list(range(5))),
                                atol=1e-5, rtol=1e-5)
 
 
-def test_to_half_precision_keeps_the_memory_in_float32(tiny_qwen3_dir):
-    """model.to(torch.bfloat16) casts the base and leaves the memory fp32 (as from_base(dtype=...) and loading
-    do): the same model as casting the base's modules alone; float() and double() cast the memory too."""
+def test_to_dtype_casts_every_parameter_and_the_memory_state_stays_float32(tiny_qwen3_dir):
+    """model.to(torch.bfloat16), half(), float() and double() cast every parameter, the memory's too, as on any
+    module (the memory stays float32 where the model is built or loaded in half precision: test_bf16_forward,
+    test_full_save_pretrained_round_trips_through_auto_classes); the memory's state is float32 whatever its
+    weights' dtype, and the cast model runs."""
     cast = build(tiny_qwen3_dir, **VARIANT_SETTINGS["mac"])
-    reference = build(tiny_qwen3_dir, **VARIANT_SETTINGS["mac"])
-    reference.model.to(torch.bfloat16), reference.lm_head.to(torch.bfloat16)
-    memory = {name: p.clone() for name, p in cast.memory_state_dict().items()}
     assert cast.to(torch.bfloat16) is cast
-    assert cast.model.embed_tokens.weight.dtype == torch.bfloat16 and cast.lm_head.weight.dtype == torch.bfloat16
-    assert all(torch.equal(p, memory[name]) for name, p in cast.memory_state_dict().items())  # untouched, fp32
-    assert cast.persistent_tokens.dtype == torch.float32
+    assert {p.dtype for p in cast.parameters()} == {torch.bfloat16}
+    assert cast.model.persistent_tokens.dtype == cast.memory["1"].output_weight.dtype == torch.bfloat16
+    states = cast.init_memory_states(2)
+    assert {t.dtype for state in states.values() for t in state.state_dict().values()
+            if t.is_floating_point()} == {torch.float32}
     ids = random_ids(cast.config.text_config.vocab_size, (2, 20), seed=4)
     with torch.no_grad():
-        assert torch.equal(cast(ids).logits, reference(ids).logits)
+        logits = cast(ids).logits
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
     cast.half()
-    assert cast.model.norm.weight.dtype == torch.float16 and cast.memory["1"].output_weight.dtype == torch.float32
+    assert {p.dtype for p in cast.parameters()} == {torch.float16}
     cast.double()
-    assert cast.memory["1"].output_weight.dtype == torch.float64
+    assert {p.dtype for p in cast.parameters()} == {torch.float64}
+    cast.float()
+    assert {p.dtype for p in cast.parameters()} == {torch.float32}
 
 
 def test_hidden_states_are_the_chunked_runs_per_layer(tiny_qwen3_dir):
@@ -536,18 +542,47 @@ def test_hidden_states_are_the_chunked_runs_per_layer(tiny_qwen3_dir):
 
 
 @pytest.mark.parametrize("attend_previous_chunk", [True, False])  # the chunk loop; the layer-major stream
-def test_return_last_hidden_state_is_the_last_of_the_hidden_states_alone(tiny_qwen3_dir, attend_previous_chunk):
-    """return_last_hidden_state (what `base_model` returns) is output_hidden_states' last, normed entry, bitwise,
-    with rows at two places of the chunk cycle (phase groups) and an unfinished last chunk; nothing else is kept."""
+def test_the_decoders_last_hidden_state_is_the_last_of_the_hidden_states(tiny_qwen3_dir, attend_previous_chunk):
+    """`model.model` (what `base_model` and `get_decoder()` are) returns output_hidden_states' last, normed entry as
+    its last_hidden_state, bitwise, with rows at two places of the chunk cycle (phase groups) and an unfinished last
+    chunk, and no other hidden states unless asked; the causal LM keeps none unless asked."""
     model = build(tiny_qwen3_dir, attend_previous_chunk=attend_previous_chunk)
+    assert isinstance(model.model, TitansQwenModel)
+    assert model.base_model is model.model and model.get_decoder() is model.model
     rows = [random_ids(model.config.text_config.vocab_size, (1, length), seed=length)[0] for length in (7, 21)]
     batch, mask = left_padded(rows, 21)
     with torch.no_grad():
         every = model(batch, attention_mask=mask, output_hidden_states=True).hidden_states
-        last = model(batch, attention_mask=mask, return_last_hidden_state=True)
-        view = model.base_model(input_ids=batch, attention_mask=mask).last_hidden_state
-    assert last.hidden_states is None and model(batch).last_hidden_state is None
-    assert torch.equal(last.last_hidden_state, every[-1]) and torch.equal(view, every[-1])
+        decoded = model.model(input_ids=batch, attention_mask=mask)
+        hidden = model.model(input_ids=batch, attention_mask=mask, output_hidden_states=True)
+        plain = model(batch)
+    assert decoded.hidden_states is None and plain.hidden_states is None
+    assert torch.equal(decoded.last_hidden_state, every[-1])
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(hidden.hidden_states, every, strict=True))
+    assert torch.equal(hidden.last_hidden_state, every[-1])
+
+
+def test_get_decoder_returns_the_recorded_hidden_states(tmp_path):
+    """`get_decoder()` returns the last hidden states, normed, of the chunk loop with the memory: bitwise what it
+    returned before the decoder held the memory (titans_hf 0.3.0, where it was a view running the causal LM's own
+    loop), recorded in tests/data/decoder_hidden_states.safetensors for a tiny Qwen3 (build_qwen: vocab 96, seed 0),
+    memories after both layers (their W_O drawn as `build` draws them) and a batch of a row of 21 tokens and a row
+    left-padded by 14 (off the chunk cycle): the chunk loop with the previous chunk (mag), the layer-major stream
+    (mal, chunk-local) and prefix tokens (mac)."""
+    from safetensors.torch import load_file
+
+    from titans_hf.testing_utils import build_qwen
+
+    recorded = load_file(str(Path(__file__).parent / "data" / "decoder_hidden_states.safetensors"))
+    build_qwen(tmp_path, vocab_size=96, family="qwen3", seed=0)
+    settings = {"mag": dict(variant="mag"), "mal_chunk_local": dict(variant="mal", attend_previous_chunk=False),
+                "mac": VARIANT_SETTINGS["mac"]}
+    for name, variant in settings.items():
+        model = build(tmp_path, memory_layers=[0, 1], **variant)
+        with torch.no_grad():
+            hidden = model.get_decoder()(input_ids=recorded["input_ids"],
+                                         attention_mask=recorded["attention_mask"]).last_hidden_state
+        assert torch.equal(hidden, recorded[name]), name
 
 
 def test_inputs_embeds_equal_input_ids(tiny_qwen3_dir):
@@ -580,9 +615,9 @@ def test_layer_major_stream_equals_the_chunk_loop(tiny_qwen3_dir, variant):
     runs = []
     for layer_major in (True, False):
         model = build(tiny_qwen3_dir, variant=variant, attend_previous_chunk=False, checkpoint_chunks=False).train()
-        model.LAYER_MAJOR_TOKENS = 16
+        model.model.LAYER_MAJOR_TOKENS = 16
         with contextlib.nullcontext() if layer_major else model.chunk_by_chunk():
-            assert model._runs_layer_major(37, None, False) == layer_major
+            assert model.model._runs_layer_major(37, None, False) == layer_major
             out = model(ids, attention_mask=mask, labels=labels, logits_to_keep=37, return_predictions=True,
                         output_hidden_states=True)
         out.loss.backward()

@@ -10,7 +10,7 @@ import datasets
 import pytest
 import safetensors.torch
 import torch
-from peft import AutoPeftModelForCausalLM, LoraConfig, PeftModel, get_peft_model
+from peft import AutoPeftModelForCausalLM, LoraConfig, PeftModel, get_peft_model, inject_adapter_in_model
 from peft.tuners.lora import LoraLayer
 from test_hub import BASE_REPO_ID, REPO_ID, hub, hub_token  # noqa: F401  (the loopback Hub and its token)
 from test_trainer import StopAtStep, make_args
@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingA
 from titans_hf.data.collator import TitansDataCollator
 from titans_hf.lora import add_lora, has_lora
 from titans_hf.modeling import TitansQwenForCausalLM
+from titans_hf.modeling.loading_titans_qwen import file_key, is_memory_name
 from titans_hf.modeling.memory_folder import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_WEIGHTS_NAME,
@@ -46,7 +47,7 @@ def parts(model) -> dict[str, dict[str, torch.Tensor]]:
     """The model's weights by part: base, memory, lora."""
     groups = {"base": {}, "memory": {}, "lora": {}}
     for name, param in model.named_parameters():
-        part = "lora" if ".lora_" in name else "memory" if not name.startswith(("model.", "lm_head.")) else "base"
+        part = "lora" if ".lora_" in name else "memory" if is_memory_name(name) else "base"
         groups[part][name] = param.detach().clone()
     return groups
 
@@ -148,6 +149,25 @@ def test_all_linear_adapts_the_decoder_only(tiny_qwen3_dir):
     assert len(adapted) == 2 * 7 and all(name.startswith("model.layers.") for name in adapted)
 
 
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], "model.layers.0.self_attn.q_proj",
+                                     ["model.layers.1.mlp.down_proj", "k_proj"], r".*\.mlp\.(up|gate)_proj"])
+def test_target_modules_written_for_a_plain_qwen_adapt_what_they_adapt_on_the_plain_qwen(tiny_qwen3_dir, targets):
+    """Inside a TitansQwen the base keeps a plain Qwen's module names (`model.layers.N.self_attn.q_proj`, ...), so
+    target_modules written for a plain Qwen (suffixes, full names, a regex) adapt exactly the modules PEFT adapts on
+    the plain base, and never a memory's (memories after both layers here, whose linear layers are named
+    `model.memory.<layer>.neural_memory.to_qkv`, ...)."""
+    plain = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir)
+    inject_adapter_in_model(LoraConfig(r=4, target_modules=targets), plain)
+    expected = sorted(name for name, module in plain.named_modules() if isinstance(module, LoraLayer))
+    model = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, chunk_size=16, memory_chunk_size=8, memory_head_dim=16,
+                                            memory_layers=[0, 1])
+    add_lora(model, LoraConfig(r=4, target_modules=targets))
+    adapted = sorted(name for name, module in model.named_modules() if isinstance(module, LoraLayer))
+    assert adapted and adapted == expected
+    assert model.peft_config["default"].target_modules == set(expected)
+    assert any(is_memory_name(name) and isinstance(module, torch.nn.Linear) for name, module in model.named_modules())
+
+
 def test_the_routes_that_freeze_or_drop_an_adapter_are_refused(tiny_qwen3_dir, rows, tmp_path):
     titans = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, chunk_size=16, memory_chunk_size=8, memory_head_dim=16)
     wrapped = get_peft_model(titans, LoraConfig(r=4, target_modules=TARGETS))
@@ -189,7 +209,8 @@ def test_a_saved_folder_holds_the_memory_and_peft_adapter_and_reloads_to_equal_l
     model.save_pretrained(folder)
     assert {path.name for path in folder.iterdir()} == FOLDER_FILES
     memory = safetensors.torch.load_file(folder / MEMORY_WEIGHTS_NAME)
-    assert memory.keys() == parts(model)["memory"].keys()  # the memory file: the memory alone, as without LoRA
+    # the memory file: the memory alone, as without LoRA, under its file keys
+    assert memory.keys() == {file_key(name) for name in parts(model)["memory"]}
     adapter = safetensors.torch.load_file(folder / ADAPTER_WEIGHTS_NAME)
     assert sorted(adapter) == sorted(f"base_model.model.model.layers.{i}.self_attn.{p}.lora_{ab}.weight"
                                      for i in range(2) for p in TARGETS for ab in "AB")  # PEFT's keys

@@ -18,6 +18,7 @@ import titans_hf.modeling.memory_folder
 from titans_hf.data.collator import TitansDataCollator
 from titans_hf.data.sampler import ChunkCurriculumSampler, count_chunks
 from titans_hf.modeling import TitansQwenForCausalLM
+from titans_hf.modeling.loading_titans_qwen import file_key
 from titans_hf.modeling.memory_folder import (
     MEMORY_CONFIG_NAME,
     MEMORY_WEIGHTS_NAME,
@@ -48,7 +49,9 @@ def frozen_base_model(model_dir) -> torch.nn.Module:
 
 
 def trainable_weights(model) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+    """The trainable weights under the keys a checkpoint's files hold them by (a TitansQwen's memory without the
+    decoder's `model.` in front: `file_key`)."""
+    return {file_key(name): p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
 
 
 def make_rows(lengths, vocab_size: int, seed: int = 0) -> datasets.Dataset:

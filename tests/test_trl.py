@@ -15,6 +15,7 @@ from test_completions import open_memory
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
 from titans_hf.modeling import TitansQwenForCausalLM
+from titans_hf.modeling.loading_titans_qwen import is_memory_name
 from titans_hf.modeling.memory_folder import MEMORY_CONFIG_NAME, MEMORY_WEIGHTS_NAME
 
 trl = pytest.importorskip("trl")  # the `trl` extra; the `test` extra installs it
@@ -31,7 +32,7 @@ def memory_model(model_dir, **settings) -> TitansQwenForCausalLM:
 
 
 def base_weights(model) -> dict[str, torch.Tensor]:
-    return {name: tensor.clone() for name, tensor in model.state_dict().items() if name.startswith(("model.", "lm_head."))}
+    return {name: tensor.clone() for name, tensor in model.state_dict().items() if not is_memory_name(name)}
 
 
 def memory_weights(model) -> dict[str, torch.Tensor]:
@@ -318,7 +319,7 @@ def test_titans_sft_trainer_torch_compile_compiles_the_chunk_step(tiny_qwen3_dir
         trainer.train()
         trained[compiled] = model.memory_state_dict()
     torch.compiler.reset()
-    assert model._compiled_chunk_step is not None
+    assert model.model._compiled_chunk_step is not None
     assert trainer.accelerator.state.dynamo_plugin.backend == DynamoBackend.NO
     for name, value in trained[False].items():
         torch.testing.assert_close(trained[True][name], value, rtol=1e-5, atol=1e-6, msg=name)
@@ -334,7 +335,7 @@ class StopAt(__import__("transformers").TrainerCallback):
 
 
 def test_titans_dpo_trainer_defaults_to_the_memory_off_reference(tiny_qwen3_dir, tmp_path):
-    from titans_hf.modeling.modeling_titans_qwen import TitansMemoryOffReference
+    from titans_hf.modeling.memory_off_reference import TitansMemoryOffReference
     from titans_hf.training.trl_trainers import TitansDPOTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
@@ -353,7 +354,7 @@ def test_titans_dpo_trainer_defaults_to_the_memory_off_reference(tiny_qwen3_dir,
 def test_titans_grpo_trainer_kl_against_the_memory_off_reference(tiny_qwen3_dir, tmp_path):
     """beta > 0: the KL term is taken against the memory-off model; at step 1 (policy == its init, and the MAG
     memory's output starts at zero) it is exactly 0, then the memory moves the policy away from it."""
-    from titans_hf.modeling.modeling_titans_qwen import TitansMemoryOffReference
+    from titans_hf.modeling.memory_off_reference import TitansMemoryOffReference
     from titans_hf.training.trl_trainers import TitansGRPOTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)

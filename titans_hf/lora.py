@@ -17,8 +17,9 @@ Its folder (`save_pretrained`, `push_to_hub`, every `TitansTrainer` checkpoint) 
 memory names, the memory, then the adapter (`load_lora`), memory and LoRA trainable as they were saved.
 
 Why not `get_peft_model`: PEFT marks every parameter but the adapter's frozen (the memory too) and wraps the model in a
-`PeftModel` whose save writes the adapter alone. transformers' in-place adapter API (`add_adapter`, `load_adapter`)
-needs peft >= 0.22, which is not released (0.21.2 is the newest).
+`PeftModel` whose save writes the adapter alone. The LoRA layers are PEFT's own, injected in place
+(`inject_adapter_in_model`), with the parameters that trained before (the memory) set trainable again, so the model
+keeps its class, its own save and its memory.
 
 An adapter folder is data: `adapter_config.json` may hold plain LoRA settings only (rank, alpha, dropout, rsLoRA,
 module names), every other PEFT setting at its default, so nothing in it chooses code, paths or an initialisation
@@ -41,6 +42,7 @@ from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import check_target_module_exists
 from torch import Tensor, nn
 
+from titans_hf.modeling.loading_titans_qwen import is_memory_name
 from titans_hf.modeling.memory_folder import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_WEIGHTS_NAME,
@@ -78,7 +80,9 @@ def _defaults() -> dict[str, Any]:
 
 
 def _is_base_module(name: str) -> bool:
-    return name == "lm_head" or name.startswith(("model.", "lm_head."))
+    """Whether a module of a TitansQwen is the base's (its decoder's layers, embeddings, norm, LM head), not the
+    memory's."""
+    return (name == "lm_head" or name.startswith(("model.", "lm_head."))) and not is_memory_name(name)
 
 
 def has_lora(model: nn.Module) -> bool:
@@ -153,7 +157,7 @@ def _target_names(model: nn.Module, config: LoraConfig, source: str) -> list[str
     """The full names of the modules `config` adapts in `model`: linear modules of the base only."""
     if config.target_modules == "all-linear":  # PEFT's shorthand: every linear layer but the output head
         names = [name for name, module in model.named_modules()
-                 if isinstance(module, nn.Linear) and name.startswith("model.")]
+                 if isinstance(module, nn.Linear) and name.startswith("model.") and not is_memory_name(name)]
     else:
         names = [name for name, _ in model.named_modules() if bool(check_target_module_exists(config, name))]
     if not names:
@@ -172,13 +176,27 @@ def _target_names(model: nn.Module, config: LoraConfig, source: str) -> list[str
 
 def add_lora(model: "TitansQwenForCausalLM", lora_config: LoraConfig) -> "TitansQwenForCausalLM":
     """Inject PEFT's LoRA layers, as `lora_config` describes them, into linear modules of the (frozen) base, in
-    place; the memory stays trainable beside them. Returns `model`.
+    place; the memory stays trainable beside them.
 
-    `target_modules` (names or suffixes, a regex, or "all-linear"; with `exclude_modules`, `layers_to_transform`)
-    must reach base modules only; they are recorded as the full names of the adapted modules. Settings other than
-    rank, alpha, dropout and rsLoRA (DoRA, modules_to_save, biases, initialisations that rewrite the base, ...) are
-    refused: the folder's formats and the frozen base leave no place for them. A model built on a loaded base
-    shares that base's modules, so the base object holds the LoRA layers too."""
+    The base's modules have a plain Qwen's names (`model.layers.0.self_attn.q_proj`, `lm_head`), so target modules
+    are written as for any Qwen. Settings other than rank, alpha, dropout and rsLoRA (DoRA, modules_to_save, biases,
+    initialisations that rewrite the base, ...) are refused: the folder's formats and the frozen base leave no place
+    for them. A model built on a loaded base shares that base's modules, so the base object holds the LoRA layers
+    too.
+
+    Args:
+        model (`TitansQwenForCausalLM`):
+            A model with a frozen base (`freeze_base=True`) and no LoRA yet.
+        lora_config (`peft.LoraConfig`):
+            `r`, `lora_alpha`, `lora_dropout`, `use_rslora`, and the modules to adapt: `target_modules` (names or
+            name suffixes such as `["q_proj", "v_proj"]`, full names such as `"model.layers.0.self_attn.q_proj"`, a
+            regex, or `"all-linear"`: every linear layer of the decoder), optionally narrowed by `exclude_modules`,
+            `layers_to_transform` and `layers_pattern`. They must reach base modules only, and are recorded as the
+            full names of the adapted modules.
+
+    Returns:
+        `TitansQwenForCausalLM`: `model` itself, adapted.
+    """
     if not isinstance(lora_config, LoraConfig):
         raise ValueError(f"add_lora: lora_config must be a peft.LoraConfig, got {type(lora_config).__name__}")
     memory = model.config.memory_config

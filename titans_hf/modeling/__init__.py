@@ -3,9 +3,10 @@ on import."""
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from .cache_titans_qwen import TitansCache
 from .configuration_titans_qwen import TitansMemoryConfig, TitansQwenConfig
 from .memory import MemoryState, NeuralMemory
-from .modeling_titans_qwen import TitansCache, TitansQwenForCausalLM, TitansQwenPreTrainedModel
+from .modeling_titans_qwen import TitansQwenForCausalLM, TitansQwenModel, TitansQwenPreTrainedModel
 from .variants import MEMORY_VARIANTS
 
 AutoConfig.register(TitansQwenConfig.model_type, TitansQwenConfig, exist_ok=True)
@@ -19,5 +20,6 @@ __all__ = [
     "TitansMemoryConfig",
     "TitansQwenConfig",
     "TitansQwenForCausalLM",
+    "TitansQwenModel",
     "TitansQwenPreTrainedModel",
 ]

@@ -32,9 +32,73 @@ SUPPORTED_BASE_MODEL_TYPES = ("qwen2", "qwen3")
 class TitansMemoryConfig:
     """Every setting of a Titans memory, and the base model it belongs to (PEFT's adapter config, for a memory).
 
-    The single source of the memory settings: `TitansQwenConfig.memory_config`, the `titans-hf train` flags, the
-    model card and the checkpoints all read them from here. `memory_layers` and `memory_num_heads` may stay None
-    until the config meets a base (`TitansQwenConfig` resolves them: the middle layer; hidden size // head dim).
+    The single source of the memory settings: `TitansQwenConfig.memory_config`, the `titans-hf train` flags (each
+    field's `help`), the model card and the checkpoints all read them from here. `memory_layers` and
+    `memory_num_heads` may stay None until the config meets a base (`TitansQwenConfig` resolves them: the middle
+    layer; hidden size // head dim).
+
+    Args:
+        chunk_size (`int`, *optional*, defaults to 4096):
+            Attention segment in tokens; attention reaches at most one chunk back, the memory further.
+        memory_layers (`list[int]`, *optional*, defaults to `None`):
+            Decoder layers that get a memory; None: the middle layer.
+        variant (`str`, *optional*, defaults to `"mag"`):
+            How the memory joins its layer: "mag" (a gated branch beside the layer), "mal" (on the residual stream
+            before it) or "mac" (memory tokens in front of each chunk).
+        memory_model (`str`, *optional*, defaults to `"mlp"`):
+            What the memory is: "mlp", an MLP of `memory_depth` layers with a residual, whose weights learn at test
+            time.
+        memory_num_heads (`int`, *optional*, defaults to `None`):
+            Memory heads; None: hidden size // `memory_head_dim`.
+        memory_head_dim (`int`, *optional*, defaults to 64):
+            Size of one memory head.
+        memory_depth (`int`, *optional*, defaults to 1):
+            Layers of the memory MLP (1: linear with residual).
+        memory_expansion (`int`, *optional*, defaults to 4):
+            Hidden width of the memory MLP, in head sizes.
+        conv_kernel (`int`, *optional*, defaults to 4):
+            Causal depthwise convolution over queries, keys and values, in tokens.
+        conv_init (`str`, *optional*, defaults to `"window"`):
+            Start of the query / key convolution: "window" (the mean over its taps) or "identity".
+        memory_chunk_size (`int`, *optional*, defaults to 64):
+            Tokens per memory update chunk: a token reads the weights its chunk started with.
+        memory_batch_size (`int`, *optional*, defaults to `None`):
+            Tokens between refreshes of the point where inner gradients are taken; None: every update.
+        update_rule (`str`, *optional*, defaults to `"delta"`):
+            How the memory writes: "delta" (each token's step at the weights the tokens before it left, its norm
+            bounded by `max_memory_norm`) or "gradient" (Titans' chunked rule, with momentum).
+        max_lr (`float`, *optional*, defaults to 0.5):
+            Upper bound of the data-dependent inner learning rate theta (delta: at most 0.5).
+        max_memory_norm (`float`, *optional*, defaults to `None`):
+            delta: each head's fast weights are rescaled to this Frobenius norm whenever an update leaves them above
+            it; None: 4 * sqrt(`memory_head_dim`).
+        theta_bias_init (`float`, *optional*, defaults to -2.0):
+            Initial bias of the write gate: theta starts near `max_lr` * sigmoid(`theta_bias_init`).
+        forget_bias_init (`float`, *optional*, defaults to -30.0):
+            Initial bias of the forget gate (-30: no forgetting).
+        num_memory_tokens (`int`, *optional*, defaults to 0):
+            mac: memory tokens read at the start of a chunk.
+        num_persistent_tokens (`int`, *optional*, defaults to 0):
+            mac: learned tokens in front of every chunk.
+        attend_previous_chunk (`bool`, *optional*, defaults to `True`):
+            Each chunk's attention also sees the previous chunk's keys and values; false: chunk-local attention.
+        bptt_chunks (`int`, *optional*, defaults to `None`):
+            Detach the memory state every this many chunks; None: backpropagate through all of them.
+        freeze_base (`bool`, *optional*, defaults to `True`):
+            Train only the memory; the base stays as loaded (and a save holds the memory alone).
+        checkpoint_chunks (`bool`, *optional*, defaults to `True`):
+            Recompute each chunk in backward: training holds one chunk's activations plus the memory states.
+        base_model_name_or_path (`str`, *optional*, defaults to `None`):
+            The base the memory belongs to: a Hub id, or a local folder's absolute path (set by `from_base`).
+        revision (`str`, *optional*, defaults to `None`):
+            The base's git revision on the Hub.
+        base_shape (`dict`, *optional*, defaults to `None`):
+            The base's `model_type`, `hidden_size`, `num_hidden_layers` and `vocab_size`, recorded when the config
+            meets a base; a base of another shape is refused.
+        base_fingerprint (`str`, *optional*, defaults to `None`):
+            A local base's fingerprint (64 hex digits), so that the memory never loads on another model silently.
+        titans_hf_version (`str`, *optional*, defaults to the installed version):
+            The titans_hf version that wrote the config.
     """
 
     chunk_size: int = field(default=4096, metadata={"help": "Attention segment in tokens; attention reaches at most "
@@ -84,7 +148,7 @@ class TitansMemoryConfig:
     attend_previous_chunk: bool = field(default=True, metadata={
         "help": "Each chunk's attention also sees the previous chunk's keys and values (a sliding window, as in "
                 "Titans' MAG); positions stay within two chunks, the cache within two chunks' keys. On by default: "
-                "it lowers the loss where chunks meet (README, recall corpus); false for chunk-local attention."})
+                "it lowers the loss where chunks meet (docs/recall.md); false for chunk-local attention."})
     bptt_chunks: int | None = field(default=None, metadata={
         "help": "Detach the memory state every this many chunks (None: backpropagate through all of them)."})
     freeze_base: bool = field(default=True, metadata={"help": "Train only the memory; the base stays as loaded."})

@@ -150,3 +150,15 @@ MEMORY_VARIANTS: dict[str, type[TitansMemoryBlock]] = {
     "mal": MemoryAsLayer,
     "mac": MemoryAsContext,
 }
+
+
+def memory_blocks(config: TitansQwenConfig) -> nn.ModuleDict:
+    """One block of the configured variant per memory layer, keyed by the layer's index."""
+    variant = MEMORY_VARIANTS[config.memory_config.variant]
+    return nn.ModuleDict({str(layer): variant(config) for layer in config.memory_config.memory_layers})
+
+
+def persistent_tokens(config: TitansQwenConfig) -> nn.Parameter | None:
+    """The learned tokens in front of every chunk (`num_persistent_tokens`, mac), or None."""
+    count = config.memory_config.num_persistent_tokens
+    return nn.Parameter(torch.zeros(count, config.text_config.hidden_size)) if count else None

@@ -108,12 +108,14 @@ def load_memory_checkpoint(model: nn.Module, folder: str | os.PathLike) -> None:
     weights_path = Path(folder, MEMORY_WEIGHTS_NAME)
     if not weights_path.is_file():
         raise FileNotFoundError(f"{weights_path} not found: {folder} is not a complete memory checkpoint")
-    state_dict = load_memory_weights(weights_path)
+    unwrapped = extract_model_from_parallel(model)
+    # the memory file's keys as the model's parameter names (a TitansQwen's memory sits in its decoder)
+    names = unwrapped.memory_parameter_names() if hasattr(unwrapped, "memory_parameter_names") else {}
+    state_dict = {names.get(key, key): tensor for key, tensor in load_memory_weights(weights_path).items()}
     base_path = Path(folder, TRAINABLE_BASE_WEIGHTS_NAME)
     if base_path.is_file():
         state_dict.update(load_memory_weights(base_path))
     adapter_path = Path(folder, ADAPTER_WEIGHTS_NAME)
-    unwrapped = extract_model_from_parallel(model)
     if getattr(unwrapped, "peft_config", None):
         from titans_hf.lora import adapter_state_dict
 

@@ -419,15 +419,17 @@ class TitansTrainer(FiniteSteps, CompiledChunks, Trainer):
         if state_dict is None:
             state_dict = gather_trainable_state_dict(self.model)
         model = self.accelerator.unwrap_model(self.model)
-        memory_names = set(model.memory_state_dict()) if hasattr(model, "memory_state_dict") else set(state_dict)
+        # {parameter name: key in the memory file} of the memory's weights (a TitansQwen's sit in its decoder)
+        memory_keys = ({name: key for key, name in model.memory_parameter_names().items()}
+                       if hasattr(model, "memory_parameter_names") else {name: name for name in state_dict})
         adapter = None
         if getattr(model, "peft_config", None):  # a LoRA of the base trained with the memory: PEFT's files beside it
             from titans_hf.lora import adapter_files, is_lora_parameter
 
             adapter = adapter_files(model, state_dict, folder=output_dir)
             state_dict = {name: tensor for name, tensor in state_dict.items() if not is_lora_parameter(name)}
-        memory = {name: tensor for name, tensor in state_dict.items() if name in memory_names}
-        base = {name: tensor for name, tensor in state_dict.items() if name not in memory_names}
+        memory = {memory_keys[name]: tensor for name, tensor in state_dict.items() if name in memory_keys}
+        base = {name: tensor for name, tensor in state_dict.items() if name not in memory_keys}
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         atomic_write_json(Path(output_dir, TRAINING_ARGS_JSON_NAME),

@@ -2,8 +2,8 @@
 
 The plain `trl.SFTTrainer`, `trl.DPOTrainer` and `trl.GRPOTrainer` already train exactly the memory of a TitansQwen
 with a frozen base: TRL scores tokens through `model.base_model` and the LM head (its fused head), and a TitansQwen's
-`base_model` runs the chunk loop with the memory; generation is the model's own `generate`. These subclasses add
-what TRL cannot know about a memory:
+`base_model` is its decoder (`TitansQwenModel`), the chunk loop with the memory; generation is the model's own
+`generate`. These subclasses add what TRL cannot know about a memory:
 
 - resuming: a TitansQwen's checkpoints hold the memory alone, which the Trainer's loader does not recognise;
 - the rows of a `titans_tokens` dpo store, already in TRL's tokenized columns, which `trl.DPOTrainer` would try to
