@@ -13,7 +13,12 @@ import sys
 
 __version__ = "0.3.0"
 
-from .modeling import TitansMemoryConfig, TitansQwenConfig, TitansQwenForCausalLM  # noqa: E402  (registers titans_qwen)
+from .modeling import (  # noqa: E402  (registers titans_qwen with the Auto classes)
+    TitansMemoryConfig,
+    TitansQwenConfig,
+    TitansQwenForCausalLM,
+    TitansQwenModel,
+)
 
 # The public API at the package top; what needs `datasets`, TRL's or PEFT's stack loads when first named.
 _LAZY_NAMES = {
@@ -24,7 +29,7 @@ _LAZY_NAMES = {
     "push_memory_folder": "titans_hf.hub",
 }
 
-__all__ = ["TitansMemoryConfig", "TitansQwenConfig", "TitansQwenForCausalLM", *_LAZY_NAMES, "__version__"]
+__all__ = ["TitansMemoryConfig", "TitansQwenConfig", "TitansQwenForCausalLM", "TitansQwenModel", *_LAZY_NAMES, "__version__"]
 
 
 def __getattr__(name: str) -> object:
