@@ -565,7 +565,8 @@ def test_the_decoders_last_hidden_state_is_the_last_of_the_hidden_states(tiny_qw
 def test_get_decoder_returns_the_recorded_hidden_states(tmp_path):
     """`get_decoder()` returns the last hidden states, normed, of the chunk loop with the memory: what it
     returned before the decoder held the memory (titans_hf 0.3.0, where it was a view running the causal LM's own
-    loop), to float32 rounding (a fresh environment's kernels may sum in another order), recorded in tests/data/decoder_hidden_states.safetensors for a tiny Qwen3 (build_qwen: vocab 96, seed 0),
+    loop), to float32 rounding (a fresh environment's kernels may sum in another order), recorded in
+    tests/data/decoder_hidden_states.safetensors for a tiny Qwen3 (build_qwen: vocab 96, seed 0),
     memories after both layers (their W_O drawn as `build` draws them) and a batch of a row of 21 tokens and a row
     left-padded by 14 (off the chunk cycle): the chunk loop with the previous chunk (mag), the layer-major stream
     (mal, chunk-local) and prefix tokens (mac)."""
