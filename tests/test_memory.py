@@ -101,27 +101,30 @@ def delta_memory(max_memory_norm: float = 3.0, **settings) -> NeuralMemory:
     return randomise(NeuralMemory(**settings, update_rule="delta", max_memory_norm=max_memory_norm).double(), 7)
 
 
-def padded_pieces_match_reference(mem: NeuralMemory) -> MemoryState:
-    """Stream two rows of 30 tokens (row 0 padded from token 22, row 1 before token 9: two chunks of 4 without a real
-    token) through `mem` in pieces that end mid-chunk; assert reads and outer gradients equal the per-token
-    reference, that the memory wrote, and that the same stream without grad gives the same bits. Returns the state."""
-    hidden = torch.randn(2, 30, 12, dtype=torch.double)
-    mask = torch.ones(2, 30)
-    mask[0, 22:] = 0
-    mask[1, :9] = 0
-    probe = torch.randn(2, 30, 8, dtype=torch.double)
+def padded_pieces_match_reference(mem: NeuralMemory, tokens: int = 30, padded_from: int = 22, padded_before: int = 9,
+                                  pieces: tuple[int, ...] = (3, 6, 1, 13, 7), memory_fn=mlp_memory) -> MemoryState:
+    """Stream two rows of `tokens` (row 0 padded from `padded_from`, row 1 before `padded_before`: by default two
+    chunks of 4 without a real token) through `mem` in `pieces` that end mid-chunk; assert reads and outer gradients
+    equal the per-token reference of `memory_fn`, that the memory wrote, and that the same stream without grad gives
+    the same bits and builds no graph. Returns the state."""
+    hidden = torch.randn(2, tokens, 12, dtype=torch.double)
+    mask = torch.ones(2, tokens)
+    mask[0, padded_from:] = 0
+    mask[1, :padded_before] = 0
+    probe = torch.randn(2, tokens, 8, dtype=torch.double)
 
     def streamed():
-        return streamed_in_pieces(mem, hidden, mask, (3, 6, 1, 13, 7))
+        return streamed_in_pieces(mem, hidden, mask, pieces)
 
     reads, state = streamed()
-    expected = reference(mem, hidden, mask)
+    expected = reference(mem, hidden, mask, memory_fn=memory_fn)
     torch.testing.assert_close(reads, expected, rtol=0, atol=1e-10)
     for got, want in zip(param_grads(mem, reads, probe), param_grads(mem, expected, probe)):
         torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9)
     assert not torch.allclose(expected[:, -1], memory_read_without_updates(mem, hidden)[:, -1])
     with torch.no_grad():
         reads_no_grad, state_no_grad = streamed()
+    assert reads_no_grad.grad_fn is None and state_no_grad.weights[0].grad_fn is None
     torch.testing.assert_close(reads_no_grad, reads, rtol=0, atol=0)
     for key, value in state.state_dict().items():
         torch.testing.assert_close(state_no_grad.state_dict()[key], value, rtol=0, atol=0, msg=key)
@@ -489,25 +492,8 @@ def test_linear_memory_streamed_with_padding_matches_reference_and_runs_without_
     torch.manual_seed(0)
     mem = randomise(NeuralMemory(12, 2, 4, conv_kernel=3, chunk_size=4, batch_size=8, max_lr=0.5,
                                  max_surprise_norm=0.05, theta_bias_init=0.0, memory_model="linear").double(), 2)
-    hidden = torch.randn(2, 26, 12, dtype=torch.double)
-    mask = torch.ones(2, 26)
-    mask[0, 17:] = 0
-    mask[1, :5] = 0
-    probe = torch.randn(2, 26, 8, dtype=torch.double)
-
-    def streamed():
-        return streamed_in_pieces(mem, hidden, mask, (3, 6, 1, 9, 7))
-
-    reads, state = streamed()
-    expected = reference(mem, hidden, mask, memory_fn=linear_memory)
-    torch.testing.assert_close(reads, expected, rtol=0, atol=1e-10)
-    for got, want in zip(param_grads(mem, reads, probe), param_grads(mem, expected, probe)):
-        torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9)
-    with torch.no_grad():
-        reads_no_grad, state_no_grad = streamed()
-    assert reads_no_grad.grad_fn is None and state_no_grad.weights[0].grad_fn is None
-    torch.testing.assert_close(reads_no_grad, reads, rtol=0, atol=0)
-    torch.testing.assert_close(state_no_grad.weights[0], state.weights[0], rtol=0, atol=0)
+    padded_pieces_match_reference(mem, tokens=26, padded_from=17, padded_before=5, pieces=(3, 6, 1, 9, 7),
+                                  memory_fn=linear_memory)
 
 
 @pytest.mark.parametrize("batch", [16, 48])
