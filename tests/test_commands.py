@@ -96,3 +96,42 @@ def test_one_version_everywhere(run_cli):
 def test_every_command_has_help(run_cli, command):
     result = run_cli(*command.split(), "--help")
     assert result.returncode == 0 and result.stdout.startswith(f"usage: titans-hf {command}")
+
+
+def test_the_readme_32k_recipe_trains_the_measured_memory(tiny_qwen3_dir):
+    """The README's GPU command (chunks of 4096) gets the settings the main job validated, not ones that forget: the
+    delta rule with its step at most 1, no forgetting, the state bounded, the write gate starting almost closed; and
+    a model built on them starts its gates there."""
+    import dataclasses
+
+    from titans_hf import TitansQwenForCausalLM
+    from titans_hf.modeling.configuration_titans_qwen import TitansMemoryConfig
+
+    _, memory, _, training = parse_arguments([
+        "--model_name_or_path", ".", "--generate_lengths", "3500", "7500", "15500", "31500", "--max_length", "32768",
+        "--chunk_size", "4096", "--answer_reserve_tokens", "64", "--curriculum_chunks", "1", "2", "4", "8",
+        "--num_train_epochs", "4", "--state_passing", "0.5", "--output_dir", "out"])
+    config = TitansMemoryConfig(**dataclasses.asdict(memory))
+    assert (config.chunk_size, config.update_rule, config.max_lr, config.max_memory_norm) == (4096, "delta", 0.5, None)
+    assert config.forget_bias_init == -30.0  # alpha ~ 1e-13 per update: after 16,384 updates 1 - 2e-9 of a fact
+    assert config.theta_bias_init == -6.0
+    assert training.state_passing == 0.5
+    settings = {name: value for name, value in config.memory_settings().items() if name != "titans_hf_version"}
+    model = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, **{**settings, "chunk_size": 64})
+    memory = model.model.memory[str(model.config.memory_config.memory_layers[0])].neural_memory
+    theta_bias, _, forget_bias = memory.to_gates.bias.view(3, memory.num_heads)
+    assert theta_bias.eq(-6.0).all() and forget_bias.eq(-30.0).all()
+    assert (memory.update_rule, memory.max_lr, memory.max_memory_norm) == ("delta", 0.5, 4 * 64**0.5)  # 4 sqrt(d), d = 64
+
+
+def test_the_write_gate_starts_where_each_rule_was_measured():
+    from titans_hf.modeling.configuration_titans_qwen import TitansMemoryConfig
+
+    assert TitansMemoryConfig().theta_bias_init == -6.0
+    assert TitansMemoryConfig(update_rule="gradient").theta_bias_init == -2.0
+    assert TitansMemoryConfig(theta_bias_init=-3).theta_bias_init == -3.0
+    saved = TitansMemoryConfig().to_dict()
+    assert saved["theta_bias_init"] == -6.0  # a saved memory carries the number, not the default that chose it
+    assert TitansMemoryConfig.from_dict({**saved, "theta_bias_init": -2.0}).theta_bias_init == -2.0
+    with pytest.raises(ValueError, match=r"update_rule='hebb' must be one of \['delta', 'gradient'\]"):
+        TitansMemoryConfig(update_rule="hebb")

@@ -569,7 +569,7 @@ def test_get_decoder_returns_the_recorded_hidden_states(tmp_path):
     tests/data/decoder_hidden_states.safetensors for a tiny Qwen3 (build_qwen: vocab 96, seed 0),
     memories after both layers (their W_O drawn as `build` draws them) and a batch of a row of 21 tokens and a row
     left-padded by 14 (off the chunk cycle): the chunk loop with the previous chunk (mag), the layer-major stream
-    (mal, chunk-local) and prefix tokens (mac)."""
+    (mal, chunk-local) and prefix tokens (mac), with the write gate's bias of that release (-2)."""
     from safetensors.torch import load_file
 
     from titans_hf.testing_utils import build_qwen
@@ -579,7 +579,7 @@ def test_get_decoder_returns_the_recorded_hidden_states(tmp_path):
     settings = {"mag": dict(variant="mag"), "mal_chunk_local": dict(variant="mal", attend_previous_chunk=False),
                 "mac": VARIANT_SETTINGS["mac"]}
     for name, variant in settings.items():
-        model = build(tmp_path, memory_layers=[0, 1], **variant)
+        model = build(tmp_path, memory_layers=[0, 1], theta_bias_init=-2.0, **variant)
         with torch.no_grad():
             hidden = model.get_decoder()(input_ids=recorded["input_ids"],
                                          attention_mask=recorded["attention_mask"]).last_hidden_state

@@ -26,6 +26,10 @@ MODEL_TYPE = "titans_qwen"
 BASE_SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
 _REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,254}")
 SUPPORTED_BASE_MODEL_TYPES = ("qwen2", "qwen3")
+# The write gate's initial bias by update rule, each the value the rule was measured with (docs/length.md): the delta
+# rule's haystack writes stay where the gate starts (training on short rows never asks them to shrink), and every
+# haystack write erases part of the facts along its key, so the gate starts almost closed.
+THETA_BIAS_INIT = {"delta": -6.0, "gradient": -2.0}
 
 
 @dataclass
@@ -72,8 +76,9 @@ class TitansMemoryConfig:
         max_memory_norm (`float`, *optional*, defaults to `None`):
             delta: each head's fast weights are rescaled to this Frobenius norm whenever an update leaves them above
             it; None: 4 * sqrt(`memory_head_dim`).
-        theta_bias_init (`float`, *optional*, defaults to -2.0):
-            Initial bias of the write gate: theta starts near `max_lr` * sigmoid(`theta_bias_init`).
+        theta_bias_init (`float`, *optional*, defaults to `None`):
+            Initial bias of the write gate: theta starts near `max_lr` * sigmoid(`theta_bias_init`); None: the value
+            each rule was measured with (`THETA_BIAS_INIT`: -6 for delta, -2 for gradient).
         forget_bias_init (`float`, *optional*, defaults to -30.0):
             Initial bias of the forget gate (-30: no forgetting).
         num_memory_tokens (`int`, *optional*, defaults to 0):
@@ -137,8 +142,10 @@ class TitansMemoryConfig:
     max_memory_norm: float | None = field(default=None, metadata={
         "help": "delta: each head's fast weights are rescaled to this Frobenius norm whenever an update leaves "
                 "them above it (None: 4 * sqrt(memory_head_dim))."})
-    theta_bias_init: float = field(default=-2.0, metadata={
-        "help": "Initial bias of the write gate: theta starts near max_lr * sigmoid(theta_bias_init)."})
+    theta_bias_init: float | None = field(default=None, metadata={
+        "help": "Initial bias of the write gate: theta starts near max_lr * sigmoid(theta_bias_init) (default: -6 "
+                "with the delta rule, a write that starts almost closed and opens where the loss needs it; -2 with "
+                "the gradient rule)."})
     forget_bias_init: float = field(default=-30.0, metadata={
         "help": "Initial bias of the forget gate: alpha starts near sigmoid(forget_bias_init) per memory update "
                 "(-30: no forgetting, and no gradient to raise it; a new value for a key replaces the old through "
@@ -200,6 +207,10 @@ class TitansMemoryConfig:
                     or not math.isfinite(self.max_memory_norm) or not self.max_memory_norm > 0):
                 raise ValueError(f"max_memory_norm={self.max_memory_norm!r} must be a finite number > 0 or None")
             self.max_memory_norm = float(self.max_memory_norm)
+        if self.theta_bias_init is None:
+            if self.update_rule not in THETA_BIAS_INIT:
+                raise ValueError(f"update_rule={self.update_rule!r} must be one of {sorted(THETA_BIAS_INIT)}")
+            self.theta_bias_init = THETA_BIAS_INIT[self.update_rule]
         for name in ("theta_bias_init", "forget_bias_init"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
