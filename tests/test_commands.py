@@ -116,8 +116,7 @@ def test_the_readme_32k_recipe_trains_the_measured_memory(tiny_qwen3_dir):
     assert config.forget_bias_init == -30.0  # alpha ~ 1e-13 per update: after 16,384 updates 1 - 2e-9 of a fact
     assert config.theta_bias_init == -6.0
     assert training.state_passing == 0.5
-    settings = {name: value for name, value in config.memory_settings().items() if name != "titans_hf_version"}
-    model = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, **{**settings, "chunk_size": 64})
+    model = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, **{**config.memory_settings(), "chunk_size": 64})
     memory = model.model.memory[str(model.config.memory_config.memory_layers[0])].neural_memory
     theta_bias, _, forget_bias = memory.to_gates.bias.view(3, memory.num_heads)
     assert theta_bias.eq(-6.0).all() and forget_bias.eq(-30.0).all()

@@ -207,9 +207,9 @@ class TitansMemoryConfig:
                     or not math.isfinite(self.max_memory_norm) or not self.max_memory_norm > 0):
                 raise ValueError(f"max_memory_norm={self.max_memory_norm!r} must be a finite number > 0 or None")
             self.max_memory_norm = float(self.max_memory_norm)
+        if self.update_rule not in UPDATE_RULES:  # here, not with the other registries: it picks a default
+            raise ValueError(f"update_rule={self.update_rule!r} must be one of {sorted(UPDATE_RULES)}")
         if self.theta_bias_init is None:
-            if self.update_rule not in THETA_BIAS_INIT:
-                raise ValueError(f"update_rule={self.update_rule!r} must be one of {sorted(THETA_BIAS_INIT)}")
             self.theta_bias_init = THETA_BIAS_INIT[self.update_rule]
         for name in ("theta_bias_init", "forget_bias_init"):
             value = getattr(self, name)
@@ -336,8 +336,7 @@ class TitansQwenConfig(PreTrainedConfig):
         memory = memory.for_base(text)
         for name, value, registry in (("variant", memory.variant, MEMORY_VARIANTS),
                                       ("memory_model", memory.memory_model, MEMORY_MODELS),
-                                      ("conv_init", memory.conv_init, CONV_INITS),
-                                      ("update_rule", memory.update_rule, UPDATE_RULES)):
+                                      ("conv_init", memory.conv_init, CONV_INITS)):
             if value not in registry:
                 raise ValueError(f"{name}={value!r} must be one of {sorted(registry)}")
         if memory.update_rule == "delta":
