@@ -114,9 +114,10 @@ def test_the_readme_32k_recipe_trains_the_measured_memory(tiny_qwen3_dir):
     config = TitansMemoryConfig(**dataclasses.asdict(memory))
     assert (config.chunk_size, config.update_rule, config.max_lr, config.max_memory_norm) == (4096, "delta", 0.5, None)
     assert config.forget_bias_init == -30.0  # alpha ~ 1e-13 per update: after 16,384 updates 1 - 2e-9 of a fact
-    assert config.theta_bias_init == -6.0
+    assert config.theta_bias_init == -6.0 and config.write_cost == 1.0
     assert training.state_passing == 0.5
     model = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, **{**config.memory_settings(), "chunk_size": 64})
+    assert model.config.memory_config.write_cost == 1.0
     memory = model.model.memory[str(model.config.memory_config.memory_layers[0])].neural_memory
     theta_bias, _, forget_bias = memory.to_gates.bias.view(3, memory.num_heads)
     assert theta_bias.eq(-6.0).all() and forget_bias.eq(-30.0).all()
@@ -134,3 +135,21 @@ def test_the_write_gate_starts_where_each_rule_was_measured():
     assert TitansMemoryConfig.from_dict({**saved, "theta_bias_init": -2.0}).theta_bias_init == -2.0
     with pytest.raises(ValueError, match=r"update_rule='hebb' must be one of \['delta', 'gradient'\]"):
         TitansMemoryConfig(update_rule="hebb")
+
+
+def test_the_write_cost_defaults_to_what_each_rule_was_measured_with():
+    from titans_hf.modeling.configuration_titans_qwen import TitansMemoryConfig
+
+    assert TitansMemoryConfig().write_cost == 1.0
+    assert TitansMemoryConfig(update_rule="gradient").write_cost == 0.0
+    assert TitansMemoryConfig(write_cost=3).write_cost == 3.0
+    saved = TitansMemoryConfig().to_dict()
+    assert saved["write_cost"] == 1.0
+    assert TitansMemoryConfig.from_dict(saved).write_cost == 1.0
+    # a memory saved before the write cost existed trains on as it was trained: without one
+    before = {name: value for name, value in saved.items() if name != "write_cost"}
+    assert TitansMemoryConfig.from_dict(before).write_cost == 0.0
+    assert TitansMemoryConfig.from_dict({"chunk_size": 64}).write_cost == 1.0  # settings, not a saved config
+    for bad in (-1.0, float("nan"), True, "1"):
+        with pytest.raises(ValueError, match=r"write_cost=.* must be"):
+            TitansMemoryConfig(write_cost=bad)

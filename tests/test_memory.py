@@ -31,6 +31,14 @@ def mlp_memory(weights, z):
     return z + a @ weights[-1]
 
 
+def reference_theta(mem: NeuralMemory, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Every token's inner learning rate theta [B, T, H]: max_lr * sigmoid(RMSNorm(h) W_g + b_g)[:H], 0 on padding."""
+    real = torch.ones(hidden.shape[:2], dtype=hidden.dtype) if mask is None else mask.to(hidden.dtype)
+    x = hidden / torch.sqrt(hidden.pow(2).mean(-1, keepdim=True) + mem.norm.eps) * mem.norm.weight
+    logits = x @ mem.to_gates.weight.T + mem.to_gates.bias
+    return mem.max_lr * torch.sigmoid(logits[..., :mem.num_heads]) * real[..., None]
+
+
 def reference(mem: NeuralMemory, hidden: torch.Tensor, mask: torch.Tensor | None = None,
               memory_fn=mlp_memory) -> torch.Tensor:
     """Plain loops over rows, heads, chunks and tokens; autograd (create_graph) for each token's inner gradient of
@@ -48,7 +56,7 @@ def reference(mem: NeuralMemory, hidden: torch.Tensor, mask: torch.Tensor | None
     l2 = lambda z: z / z.norm(dim=-1, keepdim=True).clamp(min=1e-12)  # noqa: E731
     q, k = l2(F.silu(q)), l2(F.silu(k))
     logits = x @ mem.to_gates.weight.T + mem.to_gates.bias
-    theta = mem.max_lr * torch.sigmoid(logits[..., :H]) * real[..., None]
+    theta = reference_theta(mem, hidden, mask)
 
     reads = [[[None] * H for _ in range(T)] for _ in range(B)]
     for b in range(B):
@@ -387,6 +395,29 @@ def test_state_save_restore_select_and_detach(tmp_path):
     torch.testing.assert_close(detached.weights[0], state.weights[0], rtol=0, atol=0)
     with pytest.raises(ValueError, match="missing"):
         MemoryState.from_state_dict({"position": torch.tensor(3)})
+
+
+def test_written_sums_each_tokens_theta_once_in_the_call_that_computed_it():
+    """`MemoryState.written`: theta / max_lr summed over the call's real tokens and heads, so the pieces of a stream
+    add up to one pass (a buffered token writes in the next call but is counted in its own); not part of the
+    state (no saved key, None after detach / select)."""
+    mem = delta_memory()
+    hidden = torch.randn(2, 30, 12, dtype=torch.double)
+    mask = torch.ones(2, 30)
+    mask[0, 22:] = 0
+    mask[1, :9] = 0
+    per_token = reference_theta(mem, hidden, mask) / mem.max_lr
+    state, start, total = None, 0, 0.0
+    for size in (3, 6, 1, 13, 7):
+        _, state = mem(hidden[:, start:start + size], state, mask[:, start:start + size])
+        torch.testing.assert_close(state.written, per_token[:, start:start + size].sum(), rtol=1e-12, atol=0)
+        total, start = total + state.written, start + size
+    _, whole = mem(hidden, None, mask)
+    torch.testing.assert_close(whole.written, total, rtol=1e-12, atol=0)
+    assert 0 < float(whole.written.detach()) < mask.sum() * mem.num_heads
+    torch.autograd.grad(whole.written, mem.to_gates.bias)  # differentiable: what the write cost trains through
+    assert "written" not in whole.state_dict() and whole.detach().written is None and whole.select([0]).written is None
+    assert mem.init_state(2).written is None
 
 
 def test_retrieve_reads_without_writing():

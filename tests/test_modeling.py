@@ -279,8 +279,9 @@ def test_last_chunk_loss_trains_memory_through_the_first_chunk(tiny_qwen2_dir):
     labels[:, 18:] = ids[:, 18:]
 
     def first_chunk_gradient(**settings):
-        # no chunk checkpointing here: the hook below acts on the first forward only (equivalence is tested apart)
-        model = build(tiny_qwen2_dir, memory_layers=[1], checkpoint_chunks=False, **settings).train()
+        # no chunk checkpointing here: the hook below acts on the first forward only (equivalence is tested apart);
+        # no write cost, whose gradient reaches every chunk's tokens directly
+        model = build(tiny_qwen2_dir, memory_layers=[1], checkpoint_chunks=False, write_cost=0, **settings).train()
         captured = []
 
         def keep_first_chunk_embeddings(module, args, output):
@@ -634,3 +635,71 @@ def test_layer_major_stream_equals_the_chunk_loop(tiny_qwen3_dir, variant):
     assert fast_grads.keys() == loop_grads.keys() and fast_grads
     for name, grad in fast_grads.items():
         torch.testing.assert_close(grad, loop_grads[name], atol=1e-6, rtol=1e-5)
+
+
+def reference_write_rate(captured: list[tuple[torch.nn.Module, torch.Tensor, torch.Tensor | None]],
+                         real_tokens: int, heads: int, layers: int) -> torch.Tensor:
+    """mean(theta / max_lr) over memory layers, heads and real tokens, from each memory call's inputs."""
+    total = 0.0
+    for memory, hidden, mask in captured:
+        x = F.rms_norm(hidden, (hidden.shape[-1],), memory.norm.weight, memory.norm.eps)
+        theta = torch.sigmoid(F.linear(x, memory.to_gates.weight, memory.to_gates.bias)[..., :memory.num_heads])
+        total = total + (theta if mask is None else theta * mask[..., None]).sum()
+    return total / (real_tokens * heads * layers)
+
+
+@pytest.mark.parametrize("layer_major", [True, False])
+def test_training_loss_adds_the_write_cost_of_the_mean_theta(tiny_qwen3_dir, layer_major):
+    """`write_rate` is mean(theta / max_lr) over both memory layers, their heads and the real tokens (left padding
+    off the chunk cycle runs as separate streams, right padding writes nothing); a training forward with labels adds
+    `write_cost` * `write_rate` to the loss (weighted by the batch's share of `num_items_in_batch`), with exactly
+    that term's gradient; an evaluation forward and the memory-off ablation add nothing."""
+    vocab = AutoConfig.from_pretrained(tiny_qwen3_dir).vocab_size
+    ids = random_ids(vocab, (3, 29), seed=9)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding off the chunk cycle
+    mask[2, 23:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[0, 5] = -100  # a row's first token has no label (what `items` below counts is what the loss sums)
+    model = build(tiny_qwen3_dir, memory_layers=[0, 1], write_cost=2.5, attend_previous_chunk=False,
+                  checkpoint_chunks=False)
+    assert model.config.memory_config.write_cost == 2.5
+    captured = []
+    for block in model.memory.values():
+        block.neural_memory.register_forward_hook(
+            lambda module, args, output: captured.append((module, args[0].detach(), args[2])))
+    last_bias = model.memory["1"].neural_memory.to_gates.bias
+
+    def run(training: bool, **kwargs):
+        model.train(training)
+        captured.clear()
+        model.zero_grad()
+        with contextlib.nullcontext() if layer_major else model.chunk_by_chunk():
+            out = model(ids, attention_mask=mask, labels=labels, **kwargs)
+        out.loss.backward()
+        return out, last_bias.grad.clone()
+
+    evaluated, lm_gradient = run(False)
+    trained, gradient = run(True)
+    assert len(captured) >= (2 if layer_major else 8)  # several streams, and chunk by chunk several calls
+    rate = reference_write_rate(captured, int(mask.sum()), heads=2, layers=2)
+    torch.testing.assert_close(trained.write_rate, rate.detach(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(evaluated.write_rate, trained.write_rate, rtol=0, atol=0)
+    torch.testing.assert_close(trained.loss, evaluated.loss + 2.5 * rate.detach(), rtol=1e-6, atol=0)
+    # the last memory's theta feeds nothing else of the cost: its bias gradient is the reference's
+    cost_gradient, = torch.autograd.grad(2.5 * reference_write_rate(
+        [(module, hidden, m) for module, hidden, m in captured if module is model.memory["1"].neural_memory],
+        int(mask.sum()), heads=2, layers=2), last_bias)
+    torch.testing.assert_close(gradient - lm_gradient, cost_gradient, rtol=1e-4, atol=1e-8)
+    assert cost_gradient[:2].abs().min() > 0 and not cost_gradient[2:].any()  # theta's two heads, not the gates'
+
+    items = int((labels[:, 1:] != -100).sum())
+    shared, _ = run(True, num_items_in_batch=4 * items)
+    torch.testing.assert_close(shared.loss, (evaluated.loss + 2.5 * rate.detach()) / 4, rtol=1e-6, atol=0)
+    model.train()
+    with model.memory_disabled():
+        off = model(ids, attention_mask=mask, labels=labels)
+    assert off.write_rate is None
+    model.eval()
+    with model.memory_disabled():
+        torch.testing.assert_close(model(ids, attention_mask=mask, labels=labels).loss, off.loss, rtol=0, atol=0)

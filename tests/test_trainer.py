@@ -385,10 +385,18 @@ def test_one_log_line_per_logging_step(tiny_qwen3_dir, rows, tmp_path, capsys):
         tiny_qwen3_dir, tmp_path, rows, save_strategy="no", max_steps=4, log_every_batches=4, logging_steps=None
     )
     assert trainer.args.logging_steps == 2
+    rates = []
+    trainer.model.register_forward_hook(lambda module, args, output: rates.append(float(output.write_rate.detach())))
     trainer.train()
     printed = [line for line in capsys.readouterr().out.splitlines() if "'loss'" in line]
     assert len(printed) == 2  # steps 2 and 4, each once
-    assert [entry["step"] for entry in trainer.state.log_history if "loss" in entry] == [2, 4]
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert [entry["step"] for entry in logged] == [2, 4]
+    # beside each loss, the mean write rate of the batches since the log before (4 each: logging_steps x accumulation)
+    per_log = len(rates) // 2
+    assert per_log >= 2 and all(0 < rate < 1 for rate in rates)
+    for entry, batches in zip(logged, (rates[:per_log], rates[per_log:])):
+        assert entry["write_rate"] == pytest.approx(sum(batches) / len(batches), abs=2e-6)
 
 
 def test_model_without_trainable_parameters_is_refused(tiny_qwen3_dir, tmp_path):

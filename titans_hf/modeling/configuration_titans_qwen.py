@@ -30,6 +30,10 @@ SUPPORTED_BASE_MODEL_TYPES = ("qwen2", "qwen3")
 # rule's haystack writes stay where the gate starts (training on short rows never asks them to shrink), and every
 # haystack write erases part of the facts along its key, so the gate starts almost closed.
 THETA_BIAS_INIT = {"delta": -6.0, "gradient": -2.0}
+# The write cost's weight by update rule (docs/length.md): with the delta rule, a price on every write keeps the
+# writes between facts small, and a fact's half-life near 1,000 stand-in chunks instead of 300-400 (weight 4 lost
+# accuracy at every length); the gradient rule was not measured with one.
+WRITE_COST = {"delta": 1.0, "gradient": 0.0}
 
 
 @dataclass
@@ -81,6 +85,10 @@ class TitansMemoryConfig:
             each rule was measured with (`THETA_BIAS_INIT`: -6 for delta, -2 for gradient).
         forget_bias_init (`float`, *optional*, defaults to -30.0):
             Initial bias of the forget gate (-30: no forgetting).
+        write_cost (`float`, *optional*, defaults to `None`):
+            Weight of the write cost, `write_cost` * mean(theta / `max_lr`) over the memory layers, heads and real
+            tokens, that a training forward with labels adds to its loss; None: the value each rule was measured
+            with (`WRITE_COST`: 1 for delta, 0 for gradient).
         num_memory_tokens (`int`, *optional*, defaults to 0):
             mac: memory tokens read at the start of a chunk.
         num_persistent_tokens (`int`, *optional*, defaults to 0):
@@ -150,6 +158,11 @@ class TitansMemoryConfig:
         "help": "Initial bias of the forget gate: alpha starts near sigmoid(forget_bias_init) per memory update "
                 "(-30: no forgetting, and no gradient to raise it; a new value for a key replaces the old through "
                 "the update rule)."})
+    write_cost: float | None = field(default=None, metadata={
+        "help": "Weight of the write cost, write_cost * mean(theta / max_lr) over the memory layers, heads and real "
+                "tokens, that a training forward with labels adds to its loss: training then opens the write gate "
+                "only where the loss gains from it, and the tokens between facts write little over them (default: "
+                "1 with the delta rule, 0 with the gradient rule)."})
     num_memory_tokens: int = field(default=0, metadata={"help": "mac: memory tokens read at the start of a chunk."})
     num_persistent_tokens: int = field(default=0, metadata={"help": "mac: learned tokens prefixing every chunk."})
     attend_previous_chunk: bool = field(default=True, metadata={
@@ -211,11 +224,15 @@ class TitansMemoryConfig:
             raise ValueError(f"update_rule={self.update_rule!r} must be one of {sorted(UPDATE_RULES)}")
         if self.theta_bias_init is None:
             self.theta_bias_init = THETA_BIAS_INIT[self.update_rule]
-        for name in ("theta_bias_init", "forget_bias_init"):
+        if self.write_cost is None:
+            self.write_cost = WRITE_COST[self.update_rule]
+        for name in ("theta_bias_init", "forget_bias_init", "write_cost"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"{name}={value!r} must be a finite number")
             setattr(self, name, float(value))
+        if self.write_cost < 0:
+            raise ValueError(f"write_cost={self.write_cost!r} must be >= 0 (a weight on the loss)")
         if self.memory_layers is not None:
             if (not isinstance(self.memory_layers, (list, tuple)) or not self.memory_layers
                     or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.memory_layers)):
@@ -251,7 +268,7 @@ class TitansMemoryConfig:
             raise ValueError(f"{source}: unknown memory setting(s) {unknown}; known: {sorted(known)}")
         if "titans_hf_version" in values:
             # a saved config (they carry the version) from before an option existed keeps what it was trained with
-            for name, before in (("attend_previous_chunk", False), ("update_rule", "gradient")):
+            for name, before in (("attend_previous_chunk", False), ("update_rule", "gradient"), ("write_cost", 0.0)):
                 values = {name: before, **values}
         try:
             return cls(**values)
@@ -313,6 +330,8 @@ class TitansQwenConfig(PreTrainedConfig):
     """
 
     model_type = MODEL_TYPE
+    # what the Trainer's prediction_step leaves out of the predictions it gathers (its default is ["cache"])
+    keys_to_ignore_at_inference = ["cache", "memory_states", "write_rate"]
     sub_configs_defaults = {"text_config": SubConfigSpec(config_class=AutoConfig, model_type="qwen3")}
 
     text_config: dict | PreTrainedConfig | None = None

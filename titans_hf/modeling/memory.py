@@ -81,6 +81,9 @@ class MemoryState:
     buffer_gate_logits: Tensor  # [B, r, 2H] momentum and forget logits
     buffer_mask: Tensor  # [B, r]
     position: int  # tokens seen so far
+    # sum of theta / max_lr over the real tokens and heads of the call that made this state (what the write cost
+    # averages); not part of the stream: None on states no call made, never saved or carried on
+    written: Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -123,7 +126,7 @@ class MemoryState:
 
     @classmethod
     def from_state_dict(cls, state_dict: dict[str, Tensor]) -> "MemoryState":
-        expected = {f.name for f in fields(cls)}
+        expected = {f.name for f in fields(cls)} - {"written"}
         present = {key.split(".")[0] for key in state_dict}
         if present != expected:
             raise ValueError(
@@ -636,6 +639,7 @@ class NeuralMemory(nn.Module):
 
         real = torch.ones(B, T, device=hidden.device, dtype=dtype) if mask is None else mask.to(dtype)
         q, k, v, lr, chunk_gate_logits, conv_tail = self.token_inputs(hidden, state.conv_tail, mask, real)
+        written = lr.sum() / self.max_lr  # each token counted once, by the call that computed its theta
 
         # prepend the unfinished chunk's buffered tokens: they write now, but were read in the previous call
         r, gate_logits = state.buffer_keys.shape[2], chunk_gate_logits
@@ -688,6 +692,7 @@ class NeuralMemory(nn.Module):
             buffer_gate_logits=gate_logits[:, rest],
             buffer_mask=real[:, rest],
             position=state.position + T,
+            written=written,
         )
         return out, new_state
 

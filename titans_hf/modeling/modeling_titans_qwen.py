@@ -45,6 +45,7 @@ from .streams_titans_qwen import (
     StreamOutput,
     StreamRequest,
     chunk_lm_head,
+    sum_present,
 )
 from .variants import TitansMemoryBlock, memory_blocks, persistent_tokens
 
@@ -78,22 +79,26 @@ def refuse_output_attentions(output_attentions: bool | None, config: TitansQwenC
 @dataclass
 class TitansModelOutput(BaseModelOutputWithPast):
     """`BaseModelOutputWithPast` (`last_hidden_state` normed, `cache` a `TitansCache`) plus `memory_states`, the
-    states the stream ends in when it started from given ones, and `lm_head_output`, what a `ChunkedLMHead` passed
-    to the decoder made of the stream."""
+    states the stream ends in when it started from given ones, `lm_head_output`, what a `ChunkedLMHead` passed to
+    the decoder made of the stream, and `write_rate`: how open the memories' write gates were on this input, the
+    mean of theta / max_lr over the memory layers, heads and real tokens (None with the memory off)."""
 
     memory_states: dict[int, MemoryState] | None = None
     lm_head_output: ChunkedLMHeadOutput | None = None
+    write_rate: torch.FloatTensor | None = None
 
 
 @dataclass
 class TitansCausalLMOutput(CausalLMOutputWithPast):
     """`CausalLMOutputWithPast` plus, on request, the greedy prediction and the loss of every labelled token, the
-    log-probabilities of a group of completions of each prompt, or the memory states the stream ends in."""
+    log-probabilities of a group of completions of each prompt, or the memory states the stream ends in; and the
+    memories' `write_rate` (see `TitansModelOutput`), which the training loss weighs by `write_cost`."""
 
     label_predictions: torch.LongTensor | None = None
     token_losses: torch.FloatTensor | None = None
     completion_log_probs: torch.FloatTensor | None = None
     memory_states: dict[int, MemoryState] | None = None
+    write_rate: torch.FloatTensor | None = None
 
 
 class TitansQwenPreTrainedModel(PreTrainedModel):
@@ -292,7 +297,7 @@ class TitansQwenModel(ChunkStreamsMixin, TitansQwenPreTrainedModel):
         Returns:
             `TitansModelOutput`: `last_hidden_state` [batch, tokens, hidden] of the chunk loop over the whole input,
             the memory included (inside `memory_disabled()`, the base's chunk by chunk), normed; `cache`;
-            `hidden_states` when asked for; `memory_states`; `lm_head_output`.
+            `hidden_states` when asked for; `memory_states`; `lm_head_output`; `write_rate`.
         """
         refuse_output_attentions(kwargs.get("output_attentions"), self.config)
         packed = [key for key in PACKED_BATCH_KWARGS if kwargs.get(key) is not None]
@@ -355,6 +360,10 @@ class TitansQwenModel(ChunkStreamsMixin, TitansQwenPreTrainedModel):
             (last_hidden_state,), hidden_states = hidden_states, None
         elif hidden_mode == "all":
             last_hidden_state = hidden_states[-1]
+        write_rate = None
+        if stream.written is not None:  # theta summed over rows, tokens and heads, per memory layer
+            tokens = batch_size * length if token_mask is None else token_mask.sum().clamp(min=1)
+            write_rate = stream.written / (tokens * self.config.memory_config.memory_num_heads * len(self.memory))
         head_output = None
         if lm_head is not None:
             labelled = None if request.shifted_labels is None else (request.shifted_labels != -100).sum()
@@ -362,7 +371,7 @@ class TitansQwenModel(ChunkStreamsMixin, TitansQwenPreTrainedModel):
                                               predictions=stream.predictions)
         return TitansModelOutput(last_hidden_state=last_hidden_state, cache=cache, hidden_states=hidden_states,
                                  memory_states=None if memory_states is None else stream.states,
-                                 lm_head_output=head_output)
+                                 lm_head_output=head_output, write_rate=write_rate)
 
     def _check_input_ids(self, input_ids: Tensor | None) -> None:
         """Refuse, naming what is wrong, input_ids that are not a [batch, tokens >= 1] tensor of integer ids below
@@ -524,7 +533,7 @@ class TitansQwenModel(ChunkStreamsMixin, TitansQwenPreTrainedModel):
             token_mask, shifted_labels = fresh(token_mask), fresh(shifted_labels)
             if inputs.is_floating_point():  # a slice of the caller's embeddings (ids were embedded afresh)
                 hidden = fresh(hidden)
-        logits, loss_sum, predictions, new_states, all_hidden = step(
+        logits, loss_sum, predictions, new_states, all_hidden, written = step(
             hidden, states, token_mask, shifted_labels, num_prefix, keep_from, enabled, lm_head, predict,
             hidden_states, attention_cache, masks, position_embeddings, position_ids)
         current = None
@@ -534,7 +543,7 @@ class TitansQwenModel(ChunkStreamsMixin, TitansQwenPreTrainedModel):
                 None if attention_mask is None else as_previous_chunk_mask(attention_mask[:, past:], num_prefix),
             )
         return StreamOutput(logits=logits, loss_sum=loss_sum, predictions=predictions, hidden_states=all_hidden,
-                            states=new_states, previous=current)
+                            states=new_states, previous=current, written=written)
 
     def _chunk_step(
         self,
@@ -553,12 +562,13 @@ class TitansQwenModel(ChunkStreamsMixin, TitansQwenPreTrainedModel):
         position_embeddings: tuple[Tensor, Tensor],
         position_ids: Tensor,
     ) -> tuple[Tensor | None, Tensor | None, tuple[Tensor, Tensor] | None, dict[int, MemoryState],
-               tuple[Tensor, ...] | None]:
+               tuple[Tensor, ...] | None, Tensor | None]:
         """The arithmetic of one piece, once its embeddings [B, prefix + T, hidden] and geometry are built: every
         decoder layer with its memory block, the final norm and the LM head. Returns (logits, summed loss, per-token
-        predictions and losses, new memory states, hidden states) as `_forward_piece` describes them. What
-        `compile_chunks()` compiles (one graph, no breaks): nothing in it reads a tensor's value into Python."""
-        new_states = dict(states)
+        predictions and losses, new memory states, hidden states) as `_forward_piece` describes them, and the sum of
+        the memories' writes (`MemoryState.written`; None with the memory off). What `compile_chunks()` compiles
+        (one graph, no breaks): nothing in it reads a tensor's value into Python."""
+        new_states, written = dict(states), []
         layer_types = self.config.text_config.layer_types
         all_hidden = [hidden[:, num_prefix:]] if hidden_states == "all" else None
         for index, decoder_layer in enumerate(self.layers):
@@ -570,6 +580,7 @@ class TitansQwenModel(ChunkStreamsMixin, TitansQwenPreTrainedModel):
                 hidden = layer(hidden)
             else:
                 hidden, new_states[index] = block(layer, hidden, states[index], token_mask, num_prefix)
+                written.append(new_states[index].written)
             if all_hidden is not None:
                 all_hidden.append(hidden[:, num_prefix:])
         hidden = self.norm(hidden[:, num_prefix:])
@@ -579,7 +590,8 @@ class TitansQwenModel(ChunkStreamsMixin, TitansQwenPreTrainedModel):
         if lm_head is not None:
             logits, loss_sum, predictions = chunk_lm_head(lm_head, hidden, shifted_labels, keep_from, predict)
         last_hidden = (hidden,) if hidden_states == "last" else None
-        return logits, loss_sum, predictions, new_states, last_hidden if all_hidden is None else tuple(all_hidden)
+        return (logits, loss_sum, predictions, new_states, last_hidden if all_hidden is None else tuple(all_hidden),
+                sum_present(written))
 
 
 class TitansQwenForCausalLM(CompletionScoringMixin, TitansLoadingMixin, TitansQwenPreTrainedModel, GenerationMixin):
@@ -690,7 +702,8 @@ class TitansQwenForCausalLM(CompletionScoringMixin, TitansLoadingMixin, TitansQw
                 Start a new `TitansCache` when `cache` is None.
             num_items_in_batch (`int` or `torch.Tensor`, *optional*, defaults to `None`):
                 The loss is the labelled positions' summed loss divided by it (gradient accumulation); None: their
-                mean.
+                mean. In training the write cost is then weighted by this batch's share of them, so that the
+                accumulated batches add up to one cost, as they add up to one mean loss.
             logits_to_keep (`int`, *optional*, defaults to `0`):
                 Return the logits of the last this many positions; 0: all of them without labels, none with labels
                 (a 32k x vocab tensor is what chunking avoids).
@@ -716,7 +729,9 @@ class TitansQwenForCausalLM(CompletionScoringMixin, TitansLoadingMixin, TitansQw
                 1 on the completions' tokens, 0 on their right padding.
 
         Returns:
-            `TitansCausalLMOutput`.
+            `TitansCausalLMOutput`. In training mode, with labels, `loss` also holds the write cost, `write_cost`
+            (`memory_config`) times `write_rate`: a price on every write, so training opens the write gate only where
+            the loss gains from it and the tokens between facts write little over them (docs/length.md).
         """
         refuse_output_attentions(kwargs.get("output_attentions"), self.config)
         if completion_ids is not None:
@@ -741,6 +756,10 @@ class TitansQwenForCausalLM(CompletionScoringMixin, TitansLoadingMixin, TitansQw
                 loss = head.loss_sum / num_items_in_batch
             else:
                 loss = head.loss_sum / head.num_labels.clamp(min=1)
+            write_cost = self.config.memory_config.write_cost
+            if self.training and write_cost and outputs.write_rate is not None:
+                share = 1 if num_items_in_batch is None else head.num_labels / num_items_in_batch
+                loss = loss + write_cost * share * outputs.write_rate.to(loss.dtype)
         label_predictions = token_losses = None
         if head.predictions is not None:  # position t - 1 predicts labels[t]
             greedy, losses = head.predictions
@@ -754,7 +773,8 @@ class TitansQwenForCausalLM(CompletionScoringMixin, TitansLoadingMixin, TitansQw
                 token_losses[:, 1:] = losses[:, :-1]
         return TitansCausalLMOutput(loss=loss, logits=head.logits, cache=outputs.cache,
                                     hidden_states=outputs.hidden_states, label_predictions=label_predictions,
-                                    token_losses=token_losses, memory_states=outputs.memory_states)
+                                    token_losses=token_losses, memory_states=outputs.memory_states,
+                                    write_rate=outputs.write_rate)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, generation_mode, batch_size: int,
                                       max_cache_length: int) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -113,7 +113,8 @@ class StreamOutput:
     """What a stream, or one piece of it, computed (None where not asked for): the logits of the kept positions, the
     summed loss, the greedy tokens and losses of every position, the hidden states (one tensor per layer), each along
     the tokens; the memory `states` it ends in and, in the chunk loop without a cache with attend_previous_chunk,
-    its last chunk as the next one would see it (`previous`)."""
+    its last chunk as the next one would see it (`previous`); the sum of its memories' writes (`written`, see
+    `MemoryState.written`; None with the memory off)."""
 
     logits: Tensor | None = None
     loss_sum: Tensor | None = None
@@ -121,27 +122,34 @@ class StreamOutput:
     hidden_states: tuple[Tensor, ...] | None = None
     states: dict[int, MemoryState] | None = None
     previous: PreviousChunk | None = None
+    written: Tensor | None = None
 
     @classmethod
     def joined(cls, pieces: Sequence[StreamOutput], states: dict[int, MemoryState] | None,
                previous: PreviousChunk | None = None) -> StreamOutput:
-        """The pieces' results (in token order) joined along the tokens, their losses summed in order."""
+        """The pieces' results (in token order) joined along the tokens, their losses and writes summed in order."""
         join = lambda parts: parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # noqa: E731
         logits = [piece.logits for piece in pieces if piece.logits is not None]
         predictions = [piece.predictions for piece in pieces if piece.predictions is not None]
         hidden = [piece.hidden_states for piece in pieces if piece.hidden_states is not None]
-        loss_sum = None
-        for piece in pieces:
-            if piece.loss_sum is not None:
-                loss_sum = piece.loss_sum if loss_sum is None else loss_sum + piece.loss_sum
         return cls(
             logits=join(logits) if logits else None,
-            loss_sum=loss_sum,
+            loss_sum=sum_present(piece.loss_sum for piece in pieces),
             predictions=(join([g for g, _ in predictions]), join([t for _, t in predictions])) if predictions else None,
             hidden_states=tuple(join(layer) for layer in zip(*hidden)) if hidden else None,
             states=states,
             previous=previous,
+            written=sum_present(piece.written for piece in pieces),
         )
+
+
+def sum_present(values: Iterable[Tensor | None]) -> Tensor | None:
+    """The sum of the values that are not None, in order (None if all are)."""
+    total = None
+    for value in values:
+        if value is not None:
+            total = value if total is None else total + value
+    return total
 
 
 def chunk_lm_head(lm_head: nn.Module, hidden: Tensor, shifted_labels: Tensor | None, keep_from: int, predict: bool
@@ -219,9 +227,8 @@ class ChunkStreamsMixin:
             keep_start = request.keep_start
             output.logits = place([(rows, max(0, skip - keep_start), out.logits) for rows, skip, out in results],
                                   length - keep_start, 0.0)
-        sums = [out.loss_sum for _, _, out in results if out.loss_sum is not None]
-        if sums:
-            output.loss_sum = functools.reduce(torch.add, sums)
+        output.loss_sum = sum_present(out.loss_sum for _, _, out in results)
+        output.written = sum_present(out.written for _, _, out in results)
         if request.predict:
             output.predictions = tuple(place([(rows, skip, out.predictions[part]) for rows, skip, out in results],
                                              length, fill) for part, fill in ((0, -100), (1, 0.0)))
@@ -336,6 +343,7 @@ class ChunkStreamsMixin:
                     batches.append((first, stop, rows, self._chunk_geometry(hidden.new_empty(rows, width, 0),
                                                                             batch_mask, None, 0, geometry)))
             segment_hidden = [hidden] if request.hidden_states == "all" else None
+            written = []
             for index, decoder_layer in enumerate(self.layers):
                 def layer(h: Tensor, decoder_layer=decoder_layer, kind=layer_types[index]) -> Tensor:
                     outs = []
@@ -350,13 +358,15 @@ class ChunkStreamsMixin:
                     hidden = layer(hidden)
                 else:
                     hidden, states[index] = block(layer, hidden, states[index], mask, 0)
+                    written.append(states[index].written)
                 if segment_hidden is not None:
                     segment_hidden.append(hidden)
             hidden = self.norm(hidden)
             if segment_hidden is not None:
                 segment_hidden[-1] = hidden
             segment_output = StreamOutput(hidden_states=tuple(segment_hidden) if segment_hidden is not None
-                                          else (hidden,) if request.hidden_states == "last" else None)
+                                          else (hidden,) if request.hidden_states == "last" else None,
+                                          written=sum_present(written))
             pieces.append(segment_output)
             if request.lm_head is None:
                 continue
@@ -371,4 +381,4 @@ class ChunkStreamsMixin:
 
 
 __all__ = ["ChunkStreamsMixin", "ChunkedLMHead", "ChunkedLMHeadOutput", "PreviousChunk", "StreamOutput",
-           "StreamRequest", "chunk_lm_head"]
+           "StreamRequest", "chunk_lm_head", "sum_present"]

@@ -289,6 +289,7 @@ class TitansTrainer(FiniteSteps, CompiledChunks, Trainer):
             raise ValueError("state_passing carries a TitansQwen memory's state from row to row; this model has none")
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
         self._passed_states: dict[int, MemoryState] | None = None
+        self._write_rates: list[torch.Tensor] = []  # the training batches' since the last log
         self._sampler_state = SamplerStateCallback()
         self.add_callback(self._sampler_state)
 
@@ -317,9 +318,13 @@ class TitansTrainer(FiniteSteps, CompiledChunks, Trainer):
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: int | torch.Tensor | None = None):
-        """The Trainer's loss for windows; for batches of a `CompletionsCollator` (dpo and grpo rows) the loss of
-        `completions_loss`, every completion scored from the memory state its prompt left."""
-        if "completion_ids" not in inputs and self.args.state_passing and model.training:
+        """The Trainer's loss for windows (a training batch's `write_rate` kept for the next log; with State Passing,
+        some rows start from the states earlier rows ended in); for batches of a `CompletionsCollator` (dpo and grpo
+        rows) the loss of `completions_loss`, every completion scored from the memory state its prompt left."""
+        if "completion_ids" in inputs:
+            loss = completions_loss(model, inputs, self.args.dpo_beta, titans=self.accelerator.unwrap_model(model))
+            return (loss, None) if return_outputs else loss
+        if self.args.state_passing and model.training:
             titans = self.accelerator.unwrap_model(model)
             rows = inputs["input_ids"].shape[0]
             fresh = titans.init_memory_states(rows, inputs["input_ids"].device)
@@ -327,11 +332,20 @@ class TitansTrainer(FiniteSteps, CompiledChunks, Trainer):
             loss, outputs = super().compute_loss(model, {**inputs, "memory_states": starting}, True,
                                                  num_items_in_batch)
             self._passed_states = {layer: state.detach() for layer, state in outputs.memory_states.items()}
-            return (loss, outputs) if return_outputs else loss
-        if "completion_ids" not in inputs:
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        loss = completions_loss(model, inputs, self.args.dpo_beta, titans=self.accelerator.unwrap_model(model))
-        return (loss, None) if return_outputs else loss
+        else:
+            loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+        write_rate = getattr(outputs, "write_rate", None)
+        if model.training and write_rate is not None:
+            self._write_rates.append(write_rate.detach())
+        return (loss, outputs) if return_outputs else loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """The Trainer's log; a training log also gets `write_rate`, the memory's mean write (theta / max_lr, what the
+        write cost weighs) over this process's batches since the last one."""
+        if self._write_rates and "loss" in logs:
+            logs = {**logs, "write_rate": round(torch.stack(self._write_rates).mean().item(), 6)}
+            self._write_rates = []
+        super().log(logs, start_time)
 
     # ---- evaluation ----
 
