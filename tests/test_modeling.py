@@ -703,3 +703,31 @@ def test_training_loss_adds_the_write_cost_of_the_mean_theta(tiny_qwen3_dir, lay
     model.eval()
     with model.memory_disabled():
         torch.testing.assert_close(model(ids, attention_mask=mask, labels=labels).loss, off.loss, rtol=0, atol=0)
+
+
+def test_memory_off_computes_only_the_chunks_whose_outputs_are_asked_for(tiny_qwen3_dir):
+    """Inside `memory_disabled()` with chunk-local attention nothing crosses a chunk: the last position's logits and
+    `generate` (left padding and all) run the last chunk alone, with the same results as the whole chunk loop."""
+    model = build(tiny_qwen3_dir, attend_previous_chunk=False)
+    vocab = model.config.text_config.vocab_size
+    ids = random_ids(vocab, (2, 37), seed=10)  # chunks of 8: four whole ones, then 5 tokens
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding off the chunk cycle: the rows run as two streams
+    widths = []
+    model.model.layers[0].register_forward_hook(lambda module, args, output: widths.append(args[0].shape[1]))
+    with torch.no_grad(), model.memory_disabled(), model.chunk_by_chunk():
+        every = model(ids, attention_mask=mask).logits  # all logits asked for: every chunk runs
+        assert widths == [8, 8, 8, 8, 5] + [8, 8, 8, 8, 2]  # row 1 from its first real token on
+        widths.clear()
+        last = model(ids, attention_mask=mask, logits_to_keep=6).logits
+        assert widths == [8, 5] + [8, 2]  # the chunks holding the last 6 positions of each stream
+        torch.testing.assert_close(last, every[:, -6:], rtol=1e-5, atol=1e-6)  # the head on fewer rows
+        widths.clear()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+        assert widths[:2] == [5, 2]  # the prefill: each stream's unfinished last chunk
+        for step in range(5):
+            seq = out.sequences[:, :37 + step]
+            logits = model(seq, attention_mask=torch.cat([mask, torch.ones(2, step, dtype=mask.dtype)], 1)).logits
+            torch.testing.assert_close(out.scores[step], logits[:, -1], atol=1e-5, rtol=1e-5)
+            assert torch.equal(out.sequences[:, 37 + step], logits[:, -1].argmax(-1))

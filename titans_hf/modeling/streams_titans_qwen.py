@@ -260,6 +260,11 @@ class ChunkStreamsMixin:
         window = memory.attend_previous_chunk
         # without a cache, the previous chunk's keys travel from piece to piece (with one, the cache holds them)
         previous = PreviousChunk([], None) if window and cache is None else None
+        # the memory off and chunk-local attention: a chunk's outputs reach nothing but itself, so a whole chunk none
+        # of whose outputs are asked for (no kept logits, labels or hidden states) is not computed; the ablation's
+        # prefill of a long prompt runs its last chunk alone
+        unread = (not self._memory_enabled and not window and request.shifted_labels is None
+                  and request.hidden_states is None)
         pieces, start = [], 0
         geometry: dict = {}  # masks and positions by shape, shared by the chunks of this stream
         while start < length:
@@ -270,6 +275,9 @@ class ChunkStreamsMixin:
             if starts_chunk and cache is not None and position > 0:
                 cache.start_new_chunk(
                     functools.partial(self._move_keys, offset=-cache.previous_length) if window else None)
+            if unread and end <= request.keep_start and (seen + end) % chunk_size == 0:
+                start = end
+                continue
             if bptt and starts_chunk and chunk_index > 0 and chunk_index % bptt == 0:
                 states = {layer: state.detach() for layer, state in states.items()}
                 previous = previous.detach() if previous is not None else None
