@@ -5,8 +5,9 @@
 # earlier demo wrote (--overwrite), never a folder it did not write whole.
 set -euo pipefail
 started=$SECONDS
-# an explicit argument: a sourced script would otherwise read this script's own arguments as its extras
-source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh" test
+# the package alone (the main job needs no extra), named explicitly: a sourced script would otherwise read this
+# script's own arguments as its extras
+source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh" ""
 echo "environment ready in $((SECONDS - started))s"
 .venv/bin/titans-hf demo --overwrite "$@"
 echo "demo.sh finished in $((SECONDS - started))s (install included)"
