@@ -100,8 +100,8 @@ def test_every_command_has_help(run_cli, command):
 
 def test_the_readme_32k_recipe_trains_the_measured_memory(tiny_qwen3_dir):
     """The README's GPU command (chunks of 4096) gets the settings the main job validated, not ones that forget: the
-    delta rule with its step at most 1, no forgetting, the state bounded, the write gate starting almost closed; and
-    a model built on them starts its gates there."""
+    delta rule with its step at most 1, no forgetting, the state bounded, the write gate starting almost closed, the
+    write cost growing eightfold in training; and a model built on them starts its gates there."""
     import dataclasses
 
     from titans_hf import TitansQwenForCausalLM
@@ -116,6 +116,7 @@ def test_the_readme_32k_recipe_trains_the_measured_memory(tiny_qwen3_dir):
     assert config.forget_bias_init == -30.0  # alpha ~ 1e-13 per update: after 16,384 updates 1 - 2e-9 of a fact
     assert config.theta_bias_init == -6.0 and config.write_cost == 1.0
     assert training.state_passing == 0.5
+    assert (training.write_cost_growth, training.write_cost_growth_span) == (8.0, [0.3, 0.6])  # 1, then 8 from 60 %
     model = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, **{**config.memory_settings(), "chunk_size": 64})
     assert model.config.memory_config.write_cost == 1.0
     memory = model.model.memory[str(model.config.memory_config.memory_layers[0])].neural_memory

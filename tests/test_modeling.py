@@ -693,6 +693,10 @@ def test_training_loss_adds_the_write_cost_of_the_mean_theta(tiny_qwen3_dir, lay
     torch.testing.assert_close(gradient - lm_gradient, cost_gradient, rtol=1e-4, atol=1e-8)
     assert cost_gradient[:2].abs().min() > 0 and not cost_gradient[2:].any()  # theta's two heads, not the gates'
 
+    weighed, _ = run(True, write_cost=0.75)  # a weight for this call (a trainer's schedule), in place of the config's
+    torch.testing.assert_close(weighed.loss, evaluated.loss + 0.75 * rate.detach(), rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match=r"write_cost=-1.0 must be >= 0"):
+        model(ids, attention_mask=mask, labels=labels, write_cost=-1.0)
     items = int((labels[:, 1:] != -100).sum())
     shared, _ = run(True, num_items_in_batch=4 * items)
     torch.testing.assert_close(shared.loss, (evaluated.loss + 2.5 * rate.detach()) / 4, rtol=1e-6, atol=0)

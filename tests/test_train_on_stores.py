@@ -38,6 +38,7 @@ def flags(model_dir, train_store, eval_store, output_dir, *extra):
         "--memory_chunk_size", "8", "--memory_head_dim", "16", "--output_dir", str(output_dir),
         "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1", "--learning_rate", "1e-2",
         "--lr_scheduler_type", "constant",  # the same schedule whether the run stops at step 2 or 4
+        "--write_cost_growth", "1",  # the write cost's schedule, too, follows max_steps
         "--max_steps", "4", "--save_steps", "2", "--report_to", "none", "--disable_tqdm", "true", "--use_cpu", "true",
         *extra,
     ]  # fmt: skip

@@ -399,6 +399,37 @@ def test_one_log_line_per_logging_step(tiny_qwen3_dir, rows, tmp_path, capsys):
         assert entry["write_rate"] == pytest.approx(sum(batches) / len(batches), abs=2e-6)
 
 
+def test_the_write_cost_grows_as_scheduled(tiny_qwen3_dir, rows, tmp_path):
+    """Each training forward gets the config's write cost times `write_cost_factor(global_step / max_steps)`: 1 before
+    the span, `write_cost_growth` after it, linear between; each log line shows the weight its last batch got."""
+    model = memory_model(tiny_qwen3_dir)
+    assert model.config.memory_config.write_cost == 1.0
+    model.config.memory_config.write_cost = 0.5
+    trainer = make_trainer(tiny_qwen3_dir, tmp_path, rows, model=model, save_strategy="no", max_steps=8,
+                           write_cost_growth=3.0, write_cost_growth_span=[0.25, 0.75])
+    weights = []
+    trainer.model.register_forward_pre_hook(lambda module, args, kwargs: weights.append(kwargs.get("write_cost")),
+                                            with_kwargs=True)
+    trainer.train()
+    # steps 0..7 of 8, two micro-batches each: progress 0, 1/8, ..., 7/8
+    factors = [1.0, 1.0, 1.0, 1.5, 2.0, 2.5, 3.0, 3.0]
+    assert weights == [0.5 * factor for factor in factors for _ in range(2)]
+    logged = [entry["write_cost"] for entry in trainer.state.log_history if "loss" in entry]
+    assert logged == [0.5 * factor for factor in factors]
+    args = trainer.args
+    assert [args.write_cost_factor(p) for p in (0.0, 0.2499, 0.25, 0.5, 0.7499, 0.75, 1.0)] == pytest.approx(
+        [1.0, 1.0, 1.0, 2.0, 2.9996, 3.0, 3.0])
+    # the defaults are the recipe's: the config's weight until 30 % of the steps, 8 times it from 60 % on
+    recipe = make_args(tmp_path)
+    assert (recipe.write_cost_growth, recipe.write_cost_growth_span) == (8.0, [0.3, 0.6])
+    assert [recipe.write_cost_factor(p) for p in (0.29, 0.45, 0.6)] == pytest.approx([1.0, 4.5, 8.0])
+    for bad in (dict(write_cost_growth=-1.0), dict(write_cost_growth=float("nan")),
+                dict(write_cost_growth_span=[0.6, 0.3]), dict(write_cost_growth_span=[0.3]),
+                dict(write_cost_growth_span=[0.3, 1.5])):
+        with pytest.raises(ValueError, match="write_cost_growth"):
+            make_args(tmp_path, **bad)
+
+
 def test_model_without_trainable_parameters_is_refused(tiny_qwen3_dir, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir).requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameter"):

@@ -426,6 +426,7 @@ def run_demo(
             "batch_size": batch_size,
             "learning_rate": learning_rate,
             "state_passing": state_passing,
+            "write_cost_growth": [training_args.write_cost_growth, training_args.write_cost_growth_span],
             "threads": torch.get_num_threads(),
             "timings": {key: round(value, 1) for key, value in timings.items()},
         })

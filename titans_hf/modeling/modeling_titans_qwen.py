@@ -683,6 +683,7 @@ class TitansQwenForCausalLM(CompletionScoringMixin, TitansLoadingMixin, TitansQw
         memory_states: dict[int, MemoryState] | None = None,
         completion_ids: torch.LongTensor | None = None,
         completion_mask: Tensor | None = None,
+        write_cost: float | None = None,
         **kwargs: Any,
     ) -> TitansCausalLMOutput:
         """Stream the input through the chunks (see `TitansQwenModel.forward`), the LM head chunk by chunk. Logits and
@@ -727,13 +728,18 @@ class TitansQwenForCausalLM(CompletionScoringMixin, TitansLoadingMixin, TitansQw
                 DDP or FSDP wrapper sees that call; nothing else may be given with it.
             completion_mask (`torch.Tensor` of shape `(batch_size, group, tokens)`, *optional*, defaults to `None`):
                 1 on the completions' tokens, 0 on their right padding.
+            write_cost (`float`, *optional*, defaults to `None`):
+                The write cost's weight for this call, in place of `memory_config.write_cost` (`TitansTrainer` passes
+                the weight its schedule reaches at each step, see `TitansTrainingArguments.write_cost_growth`).
 
         Returns:
             `TitansCausalLMOutput`. In training mode, with labels, `loss` also holds the write cost, `write_cost`
-            (`memory_config`) times `write_rate`: a price on every write, so training opens the write gate only where
+            (default: `memory_config`'s) times `write_rate`: a price on every write, so training opens the write gate only where
             the loss gains from it and the tokens between facts write little over them (docs/length.md).
         """
         refuse_output_attentions(kwargs.get("output_attentions"), self.config)
+        if write_cost is not None and not write_cost >= 0:
+            raise ValueError(f"forward: write_cost={write_cost!r} must be >= 0 (a weight on the loss)")
         if completion_ids is not None:
             given = [name for name, value in (("labels", labels), ("cache", cache), ("use_cache", use_cache or None),
                                               ("inputs_embeds", inputs_embeds)) if value is not None]
@@ -756,7 +762,8 @@ class TitansQwenForCausalLM(CompletionScoringMixin, TitansLoadingMixin, TitansQw
                 loss = head.loss_sum / num_items_in_batch
             else:
                 loss = head.loss_sum / head.num_labels.clamp(min=1)
-            write_cost = self.config.memory_config.write_cost
+            if write_cost is None:
+                write_cost = self.config.memory_config.write_cost
             if self.training and write_cost and outputs.write_rate is not None:
                 share = 1 if num_items_in_batch is None else head.num_labels / num_items_in_batch
                 loss = loss + write_cost * share * outputs.write_rate.to(loss.dtype)

@@ -290,6 +290,7 @@ class TitansTrainer(FiniteSteps, CompiledChunks, Trainer):
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
         self._passed_states: dict[int, MemoryState] | None = None
         self._write_rates: list[torch.Tensor] = []  # the training batches' since the last log
+        self._write_cost: float | None = None  # the write cost's weight the last training batch was given
         self._sampler_state = SamplerStateCallback()
         self.add_callback(self._sampler_state)
 
@@ -318,12 +319,18 @@ class TitansTrainer(FiniteSteps, CompiledChunks, Trainer):
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: int | torch.Tensor | None = None):
-        """The Trainer's loss for windows (a training batch's `write_rate` kept for the next log; with State Passing,
-        some rows start from the states earlier rows ended in); for batches of a `CompletionsCollator` (dpo and grpo
+        """The Trainer's loss for windows (a TitansQwen's write cost weighed as `write_cost_growth` schedules it, the
+        batch's `write_rate` kept for the next log; with State Passing, some rows start from the states earlier rows
+        ended in); for batches of a `CompletionsCollator` (dpo and grpo
         rows) the loss of `completions_loss`, every completion scored from the memory state its prompt left."""
         if "completion_ids" in inputs:
             loss = completions_loss(model, inputs, self.args.dpo_beta, titans=self.accelerator.unwrap_model(model))
             return (loss, None) if return_outputs else loss
+        memory_config = getattr(self.accelerator.unwrap_model(model).config, "memory_config", None)
+        if model.training and memory_config is not None:
+            progress = self.state.global_step / max(self.state.max_steps, 1)
+            self._write_cost = memory_config.write_cost * self.args.write_cost_factor(progress)
+            inputs = {**inputs, "write_cost": self._write_cost}
         if self.args.state_passing and model.training:
             titans = self.accelerator.unwrap_model(model)
             rows = inputs["input_ids"].shape[0]
@@ -341,9 +348,12 @@ class TitansTrainer(FiniteSteps, CompiledChunks, Trainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """The Trainer's log; a training log also gets `write_rate`, the memory's mean write (theta / max_lr, what the
-        write cost weighs) over this process's batches since the last one."""
+        write cost weighs) over this process's batches since the last one, and `write_cost`, the weight the last of
+        them was given."""
         if self._write_rates and "loss" in logs:
             logs = {**logs, "write_rate": round(torch.stack(self._write_rates).mean().item(), 6)}
+            if self._write_cost is not None:
+                logs["write_cost"] = round(self._write_cost, 6)
             self._write_rates = []
         super().log(logs, start_time)
 

@@ -40,6 +40,16 @@ class TitansTrainingArguments(TrainingArguments):
             Share of training rows (0 to 1) whose memory starts from the state the row in the same place of the
             previous micro-batch ended in (detached), instead of a fresh state: the read path then learns on states
             that have taken many more updates than one row brings (State Passing).
+        write_cost_growth (`float`, *optional*, defaults to `8.0`):
+            What the write cost's weight (`memory_config.write_cost`) is multiplied by at the end of training. The
+            memory first learns to write the facts at the config's weight; the grown weight then closes the write
+            gate further on the tokens between them, which is what lets a fact outlast many thousand updates
+            (docs/length.md). 1: the config's weight throughout.
+        write_cost_growth_span (`list[float]`, *optional*, defaults to `[0.3, 0.6]`):
+            The shares of the training steps between which the weight grows, linearly, from the config's to
+            `write_cost_growth` times it: before the first, the config's weight; after the second, the grown one.
+            Like the learning rate's schedule, it follows `max_steps`: a run resumed with other `max_steps` goes on
+            along another schedule.
         dpo_beta (`float`, *optional*, defaults to `0.1`):
             DPO's beta for dpo rows (TRL's default): how far the memory may move the answers' log-ratio against the
             model with its memory switched off.
@@ -81,6 +91,15 @@ class TitansTrainingArguments(TrainingArguments):
         default=0.0, metadata={"help": "Share of rows (0 to 1) whose memory starts where the row in the same place of "
                                        "the previous micro-batch ended (State Passing), instead of fresh."}
     )
+    write_cost_growth: float = field(
+        default=8.0, metadata={"help": "The write cost's weight (memory_config.write_cost) is multiplied by this at the "
+                                       "end of training; 1: the config's weight throughout."}
+    )
+    write_cost_growth_span: list[float] = field(
+        default_factory=lambda: [0.3, 0.6],
+        metadata={"help": "Shares of the training steps between which the write cost's weight grows linearly from "
+                          "the config's to write_cost_growth times it."},
+    )
     dpo_beta: float = field(
         default=0.1, metadata={"help": "dpo rows: DPO's beta, how far the memory may move the answers' log-ratio "
                                        "against the memory-off model."}
@@ -111,6 +130,12 @@ class TitansTrainingArguments(TrainingArguments):
                 )
         if not 0.0 <= self.state_passing <= 1.0:
             raise ValueError(f"state_passing must lie in [0, 1], got {self.state_passing}")
+        if not self.write_cost_growth >= 0:
+            raise ValueError(f"write_cost_growth must be >= 0, got {self.write_cost_growth}")
+        span = list(self.write_cost_growth_span)
+        if len(span) != 2 or not 0.0 <= span[0] <= span[1] <= 1.0:
+            raise ValueError("write_cost_growth_span must be two shares of the training steps, 0 <= start <= end <= 1, "
+                             f"got {self.write_cost_growth_span}")
         if self.curriculum_epochs_per_stage < 1:
             raise ValueError(f"curriculum_epochs_per_stage must be >= 1, got {self.curriculum_epochs_per_stage}")
         if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.accelerator.is_available():
@@ -118,3 +143,13 @@ class TitansTrainingArguments(TrainingArguments):
             # every process would silently train alone instead of joining a gloo DDP group.
             self.use_cpu = True
         super().__post_init__()
+
+    def write_cost_factor(self, progress: float) -> float:
+        """What the write cost's weight is multiplied by at `progress` (the share of the training steps done): 1 until
+        `write_cost_growth_span[0]`, `write_cost_growth` from `write_cost_growth_span[1]` on, linear between."""
+        start, end = self.write_cost_growth_span
+        if progress < start:
+            return 1.0
+        if progress >= end:
+            return self.write_cost_growth
+        return 1.0 + (self.write_cost_growth - 1.0) * (progress - start) / (end - start)
