@@ -734,8 +734,8 @@ class TitansQwenForCausalLM(CompletionScoringMixin, TitansLoadingMixin, TitansQw
 
         Returns:
             `TitansCausalLMOutput`. In training mode, with labels, `loss` also holds the write cost, `write_cost`
-            (default: `memory_config`'s) times `write_rate`: a price on every write, so training opens the write gate only where
-            the loss gains from it and the tokens between facts write little over them (docs/length.md).
+            (default: `memory_config`'s) times `write_rate`: a price on every write, so training opens the write gate
+            only where the loss gains from it and the tokens between facts write little over them (docs/length.md).
         """
         refuse_output_attentions(kwargs.get("output_attentions"), self.config)
         if write_cost is not None and not write_cost >= 0:

@@ -321,18 +321,18 @@ class TitansTrainer(FiniteSteps, CompiledChunks, Trainer):
                      num_items_in_batch: int | torch.Tensor | None = None):
         """The Trainer's loss for windows (a TitansQwen's write cost weighed as `write_cost_growth` schedules it, the
         batch's `write_rate` kept for the next log; with State Passing, some rows start from the states earlier rows
-        ended in); for batches of a `CompletionsCollator` (dpo and grpo
-        rows) the loss of `completions_loss`, every completion scored from the memory state its prompt left."""
+        ended in); for batches of a `CompletionsCollator` (dpo and grpo rows) the loss of `completions_loss`, every
+        completion scored from the memory state its prompt left."""
+        titans = self.accelerator.unwrap_model(model)
         if "completion_ids" in inputs:
-            loss = completions_loss(model, inputs, self.args.dpo_beta, titans=self.accelerator.unwrap_model(model))
+            loss = completions_loss(model, inputs, self.args.dpo_beta, titans=titans)
             return (loss, None) if return_outputs else loss
-        memory_config = getattr(self.accelerator.unwrap_model(model).config, "memory_config", None)
+        memory_config = getattr(titans.config, "memory_config", None)
         if model.training and memory_config is not None:
             progress = self.state.global_step / max(self.state.max_steps, 1)
             self._write_cost = memory_config.write_cost * self.args.write_cost_factor(progress)
             inputs = {**inputs, "write_cost": self._write_cost}
         if self.args.state_passing and model.training:
-            titans = self.accelerator.unwrap_model(model)
             rows = inputs["input_ids"].shape[0]
             fresh = titans.init_memory_states(rows, inputs["input_ids"].device)
             starting = passed_memory_states(fresh, self._passed_states, self.args.state_passing)
