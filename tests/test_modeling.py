@@ -5,6 +5,7 @@ written here with the public modules, and from the model fed the same tokens in 
 """
 
 import contextlib
+import dataclasses
 import json
 from pathlib import Path
 
@@ -249,6 +250,64 @@ def test_loss_is_chunkwise_cross_entropy_with_the_shift_across_chunks(tiny_qwen3
     assert out.logits is None  # with labels, no [T, vocab] tensor unless asked for
     kept = model(ids, labels=labels, logits_to_keep=3).logits
     torch.testing.assert_close(kept, logits[:, -3:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layer_major", [True, False])
+def test_rows_ending_early_stream_to_their_end_only(tiny_qwen3_dir, monkeypatch, layer_major):
+    """Rows of 5, 13, 24 and 40 tokens right-padded to 40 (chunks of 8): each runs only as far as its own last chunk
+    (8, 16, 24, 40 tokens), and the loss, token losses, write rate, memory gradients and the
+    memory states the batch ends in (the convolution tail holding the padding's zeros) equal those of the whole
+    padded batch run at once."""
+    model = build(tiny_qwen3_dir, memory_layers=[0, 1]).train()
+    vocab = model.config.text_config.vocab_size
+    lengths = (5, 13, 24, 40)
+    batch, mask = torch.zeros(4, 40, dtype=torch.long), torch.zeros(4, 40, dtype=torch.long)
+    for index, length in enumerate(lengths):
+        batch[index, :length], mask[index, :length] = random_ids(vocab, (1, length), seed=length)[0], 1
+    labels = torch.where(mask.bool(), batch, -100)
+    generator = torch.Generator().manual_seed(3)
+    starts = {layer: dataclasses.replace(state, weights=[w + 0.1 * torch.randn(w.shape, generator=generator)
+                                                         for w in state.weights])
+              for layer, state in model.model.init_memory_states(4).items()}
+    for state in starts.values():
+        state.batch_start_weights = state.weights
+
+    def run():
+        model.zero_grad()
+        with contextlib.nullcontext() if layer_major else model.chunk_by_chunk():
+            out = model(batch, attention_mask=mask, labels=labels, memory_states=starts, return_token_losses=True)
+        out.loss.backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        return out, grads
+
+    widths = []
+    stream = model.model._stream
+    monkeypatch.setattr(model.model, "_stream", lambda inputs, *args: widths.append(inputs.shape[1]) or
+                        stream(inputs, *args))
+    trimmed, trimmed_grads = run()
+    assert widths == [8, 16, 24, 40]
+    monkeypatch.setattr(model.model, "_row_ends", lambda token_mask, length: None)
+    whole, whole_grads = run()
+    assert widths[4:] == [40]
+    close = dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(trimmed.loss, whole.loss, **close)
+    real = mask.bool()
+    torch.testing.assert_close(trimmed.token_losses[real], whole.token_losses[real], **close)
+    assert not trimmed.token_losses[~real].any()
+    torch.testing.assert_close(trimmed.write_rate, whole.write_rate, **close)
+    assert trimmed_grads.keys() == whole_grads.keys() and trimmed_grads
+    for name, grad in trimmed_grads.items():
+        torch.testing.assert_close(grad, whole_grads[name], **close)
+    for layer, state in whole.memory_states.items():
+        other = trimmed.memory_states[layer]
+        assert other.position == state.position == 40
+        assert (other.batch_start_weights is other.weights) == (state.batch_start_weights is state.weights)
+        for a, b in zip(state.weights + state.momentum + state.batch_start_weights,
+                        other.weights + other.momentum + other.batch_start_weights):
+            torch.testing.assert_close(b, a, **close)
+        for name in ("conv_tail", "buffer_keys", "buffer_values", "buffer_lr", "buffer_gate_logits", "buffer_mask"):
+            torch.testing.assert_close(getattr(other, name), getattr(state, name), **close)
+        assert not other.conv_tail[:3].any() and other.conv_tail[3].any()  # only the 40-token row ends on tokens
 
 
 def test_padding_never_writes_memory(tiny_qwen3_dir):

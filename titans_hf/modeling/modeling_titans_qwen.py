@@ -265,8 +265,10 @@ class TitansQwenModel(ChunkStreamsMixin, TitansQwenPreTrainedModel):
         """Stream the input through its chunks, carrying the memory state.
 
         Each row's chunks start at its own first real token, so a row left-padded by any amount answers as it does
-        alone (rows at different places of the chunk cycle run as separate batches: see `padding_multiple`);
-        hidden states at padding positions mean nothing (zeros where a row's batch starts after them).
+        alone (rows at different places of the chunk cycle run as separate batches: see `padding_multiple`); rows
+        right-padded by whole multiples more than others stop at their own last multiple (the padding after it
+        would write nothing). Hidden states and logits at padding positions mean nothing (zeros where a row's batch
+        starts after them or has stopped).
         `output_attentions=True` (or the config's) is refused: the chunks' attention is no map over the input.
 
         Args:
@@ -348,7 +350,10 @@ class TitansQwenModel(ChunkStreamsMixin, TitansQwenPreTrainedModel):
         if groups is not None and memory_states is not None:
             raise ValueError("forward: memory_states need rows that start together (right padding, or left padding "
                              f"by whole multiples of padding_multiple = {self.padding_multiple})")
-        if groups is None:
+        ends = None if groups is not None or cache is not None else self._row_ends(token_mask, length)
+        if ends is not None:
+            stream = self._stream_row_ends(ends, inputs, token_mask, memory_states, request)
+        elif groups is None:
             stream = self._stream(inputs, token_mask, cache, memory_states, request)
         else:
             stream = self._stream_groups(groups, inputs, token_mask, seen, request)

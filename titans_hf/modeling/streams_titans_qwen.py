@@ -7,7 +7,8 @@
   when chunks are small.
 
 Rows of a batch that start at different places of the chunk cycle (left padding) run as separate streams, one per
-`PhaseGroup` (`_stream_groups`). A stream returns a `StreamOutput`: what the LM head made of it, chunk by chunk
+`PhaseGroup` (`_stream_groups`); right-padded rows that end chunks apart run each only as far as its own last chunk,
+one stream per end (`_stream_row_ends`). A stream returns a `StreamOutput`: what the LM head made of it, chunk by chunk
 (`StreamRequest`: `TitansQwenForCausalLM` asks for it), the hidden states asked for, and the memory states and
 previous chunk it ends in.
 """
@@ -20,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
@@ -58,9 +60,9 @@ class StreamRequest:
     predict: bool = False
     hidden_states: str | None = None
 
-    def for_rows(self, rows: Tensor, skip: int) -> StreamRequest:
-        """The request for `rows` of the batch from column `skip` on."""
-        labels = None if self.shifted_labels is None else self.shifted_labels[rows, skip:]
+    def for_rows(self, rows: Tensor, skip: int, stop: int | None = None) -> StreamRequest:
+        """The request for `rows` of the batch from column `skip` on (up to column `stop`)."""
+        labels = None if self.shifted_labels is None else self.shifted_labels[rows, skip:stop]
         return dataclasses.replace(self, shifted_labels=labels, keep_start=max(0, self.keep_start - skip))
 
 
@@ -143,6 +145,69 @@ class StreamOutput:
         )
 
 
+def placed_streams(results: Sequence[tuple[Tensor, int, StreamOutput]], shape: tuple[int, int],
+                   request: StreamRequest) -> StreamOutput:
+    """The streams of some of a batch's rows joined into the batch's: `results` holds (rows, first column, output)
+    for streams over columns first .. first + their width. Logits, predictions and hidden states go back in place
+    (zeros, predictions -100 elsewhere); losses and writes are summed in order."""
+    batch_size, length = shape
+
+    def place(parts: list[tuple[Tensor, int, Tensor | None]], width: int, fill: float) -> Tensor:
+        present = [part for part in parts if part[2] is not None]
+        template = present[0][2]
+        out = template.new_full((batch_size, width, *template.shape[2:]), fill)
+        for rows, column, part in present:
+            out[rows, column:column + part.shape[1]] = part
+        return out
+
+    output = StreamOutput()
+    keep_start = request.keep_start
+    if any(out.logits is not None for _, _, out in results):
+        output.logits = place([(rows, max(0, first - keep_start), out.logits) for rows, first, out in results],
+                              length - keep_start, 0.0)
+    output.loss_sum = sum_present(out.loss_sum for _, _, out in results)
+    output.written = sum_present(out.written for _, _, out in results)
+    if request.predict:
+        output.predictions = tuple(place([(rows, first, out.predictions[part]) for rows, first, out in results],
+                                         length, fill) for part, fill in ((0, -100), (1, 0.0)))
+    if request.hidden_states:
+        output.hidden_states = tuple(
+            place([(rows, first, out.hidden_states[index]) for rows, first, out in results], length, 0.0)
+            for index in range(len(results[0][2].hidden_states)))
+    return output
+
+
+def joined_row_states(parts: Sequence[tuple[Tensor, MemoryState]], position: int) -> MemoryState:
+    """One memory state of a batch from the states its rows ended in: (rows, state) for rows streamed up to the
+    state's position, short of the input's end at `position`, with no unfinished update chunk. Padding after `end` would have
+    written nothing, so the weights stand; the convolution tail is what it would have left: the rows' last
+    projections followed by the padding's zeros."""
+    order = torch.cat([rows for rows, _ in parts]).argsort()
+
+    def joined(tensors: list[Tensor]) -> Tensor:
+        return torch.cat(tensors).index_select(0, order.to(tensors[0].device))
+
+    def tail(state: MemoryState) -> Tensor:
+        padding = state.conv_tail.new_zeros(state.batch_size, position - state.position, state.conv_tail.shape[2])
+        return torch.cat([state.conv_tail, padding], dim=1)[:, padding.shape[1]:]
+
+    states = [state for _, state in parts]
+    weights = [joined(list(layer)) for layer in zip(*(state.weights for state in states))]
+    shared = all(state.batch_start_weights is state.weights for state in states)
+    fields = {name: joined([getattr(state, name) for state in states])
+              for name in ("buffer_keys", "buffer_values", "buffer_lr", "buffer_gate_logits", "buffer_mask")}
+    return MemoryState(
+        weights=weights,
+        momentum=[joined(list(layer)) for layer in zip(*(state.momentum for state in states))],
+        batch_start_weights=weights if shared else [joined(list(layer)) for layer in
+                                                    zip(*(state.batch_start_weights for state in states))],
+        conv_tail=joined([tail(state) for state in states]),
+        **fields,
+        position=position,
+        written=sum_present(state.written for state in states),
+    )
+
+
 def sum_present(values: Iterable[Tensor | None]) -> Tensor | None:
     """The sum of the values that are not None, in order (None if all are)."""
     total = None
@@ -208,34 +273,46 @@ class ChunkStreamsMixin:
                        request: StreamRequest) -> StreamOutput:
         """`_stream` for each phase group from its phase on (a first call drops the group's first `phase` columns,
         padding in all its rows), each with its own cache, the results put back in the batch's rows and columns."""
-        batch_size, length = inputs.shape[:2]
         results = []
         for group in groups:
             skip = max(0, group.phase - seen)
             take = lambda t: None if t is None else t[group.rows, skip:]  # noqa: E731
             results.append((group.rows, skip, self._stream(take(inputs), take(token_mask), group.cache, None,
                                                            request.for_rows(group.rows, skip))))
+        return placed_streams(results, inputs.shape[:2], request)
 
-        def place(parts: list[tuple[Tensor, int, Tensor]], width: int, fill: float) -> Tensor:
-            out = parts[0][2].new_full((batch_size, width, *parts[0][2].shape[2:]), fill)
-            for rows, column, part in parts:
-                out[rows, column:] = part
-            return out
+    def _row_ends(self, token_mask: Tensor | None, length: int) -> Tensor | None:
+        """Where each row of a first call without a cache stops streaming: after its last real token's
+        `padding_multiple` of tokens (at least one); None when the batch runs whole: no padding, no row ending a
+        multiple earlier, an input that is no whole number of multiples, compiled chunks (one graph a shape), or
+        processes under `torch.distributed` (a sharded layer must be called alike on every rank)."""
+        multiple = self.padding_multiple
+        if (token_mask is None or length % multiple or self._compiled_chunk_step is not None
+                or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)):
+            return None
+        real = token_mask.bool()
+        last = torch.where(real.any(1), length - real.flip(1).int().argmax(1), 1)
+        ends = (last + multiple - 1) // multiple * multiple
+        return None if bool((ends == length).all()) else ends
 
-        output = StreamOutput()
-        if results[0][2].logits is not None:
-            keep_start = request.keep_start
-            output.logits = place([(rows, max(0, skip - keep_start), out.logits) for rows, skip, out in results],
-                                  length - keep_start, 0.0)
-        output.loss_sum = sum_present(out.loss_sum for _, _, out in results)
-        output.written = sum_present(out.written for _, _, out in results)
-        if request.predict:
-            output.predictions = tuple(place([(rows, skip, out.predictions[part]) for rows, skip, out in results],
-                                             length, fill) for part, fill in ((0, -100), (1, 0.0)))
-        if request.hidden_states:
-            output.hidden_states = tuple(
-                place([(rows, skip, out.hidden_states[index]) for rows, skip, out in results], length, 0.0)
-                for index in range(len(results[0][2].hidden_states)))
+    def _stream_row_ends(self, ends: Tensor, inputs: Tensor, token_mask: Tensor, states: dict[int, MemoryState] | None,
+                         request: StreamRequest) -> StreamOutput:
+        """`_stream` for each set of rows that end together (`_row_ends`), up to their end: the trailing chunks of
+        padding, which attend nothing real and write nothing, are not computed. Outputs there are zeros (no logits,
+        no hidden states; predictions -100), and the memory states are those the whole batch would end in."""
+        batch_size, length = inputs.shape[:2]
+        results = []
+        for end in sorted(set(ends.tolist())):
+            rows = (ends == end).nonzero().flatten()
+            start = None if states is None else {layer: state.select(rows) for layer, state in states.items()}
+            out = self._stream(inputs[rows, :end], token_mask[rows, :end], None, start,
+                               request.for_rows(rows, 0, end))
+            results.append((rows, 0, out))
+        output = placed_streams(results, (batch_size, length), request)
+        if states is not None:
+            output.states = {layer: joined_row_states([(rows, out.states[layer]) for rows, _, out in results],
+                                                      states[layer].position + length)
+                             for layer in states}
         return output
 
     def _stream(self, inputs: Tensor, token_mask: Tensor | None, cache: TitansCache | None,
@@ -389,4 +466,4 @@ class ChunkStreamsMixin:
 
 
 __all__ = ["ChunkStreamsMixin", "ChunkedLMHead", "ChunkedLMHeadOutput", "PreviousChunk", "StreamOutput",
-           "StreamRequest", "chunk_lm_head", "sum_present"]
+           "StreamRequest", "chunk_lm_head", "joined_row_states", "placed_streams", "sum_present"]
