@@ -208,6 +208,35 @@ def test_curriculum_sampler_rejects_bad_input():
         sampler.load_state_dict({"seed": 0, "epoch": 0, "stages": [1, 4], "epochs_per_stage": 1, "num_rows": 2})
 
 
+def test_curriculum_sampler_groups_rows_by_chunk_count():
+    # three rows of 1 chunk and three of 2, groups of 3: each group is one length
+    counts = [1, 2, 1, 2, 1, 2]
+    sampler = ChunkCurriculumSampler(counts, stages=[2], seed=1, group_size=3)
+    orders = set()
+    for epoch in range(6):
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        assert {frozenset(order[:3]), frozenset(order[3:])} == {frozenset({0, 2, 4}), frozenset({1, 3, 5})}
+        orders.add(tuple(order))
+    assert len(orders) > 1  # groups and the rows within them are reshuffled each epoch
+    # 4 / 4 / 2 rows of 1 / 2 / 3 chunks in groups of 3: sorted, [1 1 1] [1 2 2] [2 2 3], then the partial [3] last
+    counts = [1, 2, 1, 3, 2, 1, 2, 3, 1, 2]
+    sampler = ChunkCurriculumSampler(counts, stages=[3], seed=2, group_size=3)
+    for epoch in range(4):
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        assert sorted(order) == list(range(10))
+        groups = sorted(tuple(sorted(counts[i] for i in order[start:start + 3])) for start in (0, 3, 6))
+        assert groups == [(1, 1, 1), (1, 2, 2), (2, 2, 3)] and counts[order[9]] == 3
+    restored = ChunkCurriculumSampler(counts, stages=[3], seed=0, group_size=3)
+    restored.load_state_dict(json.loads(json.dumps(sampler.state_dict())))
+    assert list(restored) == order
+    with pytest.raises(ValueError, match="group size"):
+        ChunkCurriculumSampler(counts, stages=[3], group_size=5).load_state_dict(sampler.state_dict())
+    with pytest.raises(ValueError, match="group_size=0"):
+        ChunkCurriculumSampler(counts, stages=[3], group_size=0)
+
+
 def test_count_chunks_uses_real_tokens_only():
     dataset = datasets.Dataset.from_dict(
         {"attention_mask": [[1] * 16, [1] * 17, [1] * 5 + [0] * 27, [1] * 48 + [0] * 16]}
@@ -216,25 +245,46 @@ def test_count_chunks_uses_real_tokens_only():
     assert count_chunks(list(dataset), 16) == [1, 2, 1, 3]
 
 
+class RecordingCollator(TitansDataCollator):
+    """Chunks of 16 tokens; records each batch's width in tokens."""
+
+    def __init__(self, widths: list[int]):
+        super().__init__(pad_token_id=0, chunk_size=16)
+        self.widths = widths
+
+    def __call__(self, features):
+        batch = super().__call__(features)
+        self.widths.append(batch["input_ids"].shape[1])
+        return batch
+
+
 def test_curriculum_trains_short_rows_first(tiny_qwen3_dir, rows, tmp_path):
     widths = []
-    collator = TitansDataCollator(pad_token_id=0, chunk_size=16)
-
-    class RecordingCollator:
-        chunk_size = 16
-
-        def __call__(self, features):
-            batch = collator(features)
-            widths.append(batch["input_ids"].shape[1])
-            return batch
-
     trainer = make_trainer(
-        tiny_qwen3_dir, tmp_path, rows, collator=RecordingCollator(), save_strategy="no", curriculum_chunks=[1, 3]
+        tiny_qwen3_dir, tmp_path, rows, collator=RecordingCollator(widths), save_strategy="no", curriculum_chunks=[1, 3]
     )
     trainer.train()
     per_epoch = 2 * STEPS_PER_EPOCH
     assert widths[:per_epoch] == [16] * per_epoch  # epoch 0: the three 1-chunk rows, twice
     assert sorted(widths[per_epoch:]) == [16, 16, 16, 32, 32, 48]  # epoch 1: every row once
+
+
+@pytest.mark.parametrize("curriculum, epochs", [(None, [[16, 48], [16, 48]]), ([1, 3], [[16, 16], [16, 48]])])
+def test_group_by_length_batches_rows_of_one_chunk_count(tiny_qwen3_dir, rows, tmp_path, curriculum, epochs):
+    # rows of 1, 2, 1, 3, 2, 1 chunks in batches of 3: [1 1 1] and [2 2 3] each epoch; with the curriculum's first
+    # stage (1-chunk rows only) epoch 0 is two batches of 1-chunk rows
+    widths = []
+    trainer = make_trainer(tiny_qwen3_dir, tmp_path, rows, collator=RecordingCollator(widths), save_strategy="no",
+                           curriculum_chunks=curriculum, per_device_train_batch_size=3, gradient_accumulation_steps=1,
+                           train_sampling_strategy="group_by_length")
+    trainer.train()
+    assert [sorted(widths[:2]), sorted(widths[2:])] == epochs
+
+
+def test_group_by_length_needs_a_chunk_size(tiny_qwen3_dir, rows, tmp_path):
+    with pytest.raises(ValueError, match="group_by_length needs a chunk size"):
+        make_trainer(tiny_qwen3_dir, tmp_path, rows, collator=TitansDataCollator(pad_token_id=0),
+                     model=frozen_base_model(tiny_qwen3_dir), train_sampling_strategy="group_by_length")
 
 
 # ---- checkpoints ----

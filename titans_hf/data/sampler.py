@@ -89,12 +89,29 @@ class ChunkCurriculumSampler(Sampler[int]):
     length keeps the Trainer's step arithmetic (steps per epoch, batches to skip on resume) valid,
     and an order that depends only on (seed, epoch) makes resume exact. Like `ResumableSampler` it
     is global: accelerate shards it across ranks.
+
+    With `group_size` (the rows of one training step on all ranks), the epoch's rows are grouped by
+    chunk count: consecutive runs of `group_size` indices hold rows of one length wherever the
+    counts allow, and these groups come in a seeded random order, a last partial group staying
+    last. A batch is padded to its longest row, so a step of rows of 4 chunks then costs 4 chunks
+    of work, not the 32 of the longest row drawn beside them.
     """
 
-    def __init__(self, chunk_counts: Sequence[int], stages: Sequence[int], epochs_per_stage: int = 1, seed: int = 0):
+    def __init__(
+        self,
+        chunk_counts: Sequence[int],
+        stages: Sequence[int],
+        epochs_per_stage: int = 1,
+        seed: int = 0,
+        group_size: int | None = None,
+    ):
         if not chunk_counts:
             raise ValueError("chunk_counts is empty: the curriculum needs at least one training row")
+        if group_size is not None and group_size < 1:
+            raise ValueError(f"group_size={group_size} must be a positive number of rows or None")
         counts = torch.as_tensor(list(chunk_counts), dtype=torch.long)
+        self.chunk_counts = counts
+        self.group_size = group_size
         self.pools = [torch.nonzero(counts <= cap).flatten() for cap in stages]
         for cap, pool in zip(stages, self.pools):
             if len(pool) == 0:
@@ -121,7 +138,14 @@ class ChunkCurriculumSampler(Sampler[int]):
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         rounds = math.ceil(self.num_rows / len(pool))
         order = torch.cat([pool[torch.randperm(len(pool), generator=generator)] for _ in range(rounds)])
-        return iter(order[: self.num_rows].tolist())
+        order = order[: self.num_rows]
+        if self.group_size is not None:
+            # a stable sort keeps the shuffled order within a length; whole groups are then shuffled
+            order = order[torch.sort(self.chunk_counts[order], stable=True).indices]
+            whole = self.num_rows // self.group_size * self.group_size
+            groups = order[:whole].view(-1, self.group_size)
+            order = torch.cat([groups[torch.randperm(len(groups), generator=generator)].flatten(), order[whole:]])
+        return iter(order.tolist())
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -130,14 +154,16 @@ class ChunkCurriculumSampler(Sampler[int]):
             "stages": self.stages,
             "epochs_per_stage": self.epochs_per_stage,
             "num_rows": self.num_rows,
+            "group_size": self.group_size,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = (state["stages"], state["epochs_per_stage"], state["num_rows"])
-        if saved != (self.stages, self.epochs_per_stage, self.num_rows):
+        saved = (state["stages"], state["epochs_per_stage"], state["num_rows"], state.get("group_size"))
+        if saved != (self.stages, self.epochs_per_stage, self.num_rows, self.group_size):
             raise ValueError(
-                f"checkpoint curriculum (stages, epochs per stage, rows) {saved} differs from "
-                f"{(self.stages, self.epochs_per_stage, self.num_rows)}: resuming would not replay the same data"
+                f"checkpoint curriculum (stages, epochs per stage, rows, group size) {saved} differs from "
+                f"{(self.stages, self.epochs_per_stage, self.num_rows, self.group_size)}: resuming would not replay "
+                "the same data"
             )
         self.seed = state["seed"]
         self.epoch = state["epoch"]

@@ -241,6 +241,8 @@ class TitansTrainer(FiniteSteps, CompiledChunks, Trainer):
     Works for any model whose frozen parameters are the base; only `requires_grad` parameters are
     checkpointed. A model with a `config.memory_config` (a TitansQwen) gets it written beside its weights. dpo and
     grpo rows (a prompt and a group of completions each) train with the losses of `titans_hf.training.preference`.
+    `train_sampling_strategy="group_by_length"` gives each step rows of one chunk count where it can (a batch is
+    padded to its longest row), with or without the curriculum; other strategies draw a seeded random order.
 
     Args:
         model (`nn.Module`):
@@ -280,9 +282,14 @@ class TitansTrainer(FiniteSteps, CompiledChunks, Trainer):
             )
         if completions and args.curriculum_chunks is not None:
             raise ValueError("curriculum_chunks counts the chunks of windows; dpo and grpo rows take no curriculum")
-        if args.curriculum_chunks is not None and getattr(data_collator, "chunk_size", None) is None:
+        grouped = args.train_sampling_strategy == "group_by_length"
+        if completions and grouped:
+            raise ValueError("train_sampling_strategy='group_by_length' groups windows by chunk count; dpo and grpo "
+                             "rows are not grouped")
+        if (args.curriculum_chunks is not None or grouped) and getattr(data_collator, "chunk_size", None) is None:
+            option = "curriculum_chunks" if args.curriculum_chunks is not None else "group_by_length"
             raise ValueError(
-                "curriculum_chunks needs a chunk size: use a TitansQwen model (memory_config.chunk_size) or pass a "
+                f"{option} needs a chunk size: use a TitansQwen model (memory_config.chunk_size) or pass a "
                 "data_collator with chunk_size set"
             )
         if args.state_passing and not hasattr(model, "init_memory_states"):
@@ -299,14 +306,18 @@ class TitansTrainer(FiniteSteps, CompiledChunks, Trainer):
     def _get_train_sampler(self, train_dataset=None) -> Sampler[int]:
         dataset = train_dataset if train_dataset is not None else self.train_dataset
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-        if self.args.curriculum_chunks is None:
+        grouped = self.args.train_sampling_strategy == "group_by_length"
+        if self.args.curriculum_chunks is None and not grouped:
             sampler = ResumableSampler(dataset, shuffle=True, seed=seed)
         else:
+            # group_by_length: each step's rows (on all ranks) share a chunk count; no curriculum is one stage
+            counts = count_chunks(dataset, self.data_collator.chunk_size)
             sampler = ChunkCurriculumSampler(
-                count_chunks(dataset, self.data_collator.chunk_size),
-                self.args.curriculum_chunks,
+                counts,
+                self.args.curriculum_chunks or [max(counts)],
                 self.args.curriculum_epochs_per_stage,
                 seed=seed,
+                group_size=self.args.per_device_train_batch_size * self.args.world_size if grouped else None,
             )
         self._sampler_state.sampler = sampler
         return sampler
