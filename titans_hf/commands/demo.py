@@ -27,7 +27,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                         help="replace the folder an earlier demo wrote there (never a folder it did not write whole)")
     parser.add_argument("--task", default="qa1", choices=GENERATED_TASKS)
     parser.add_argument("--chunk-size", type=length, default=32, help="attention segment in tokens")
-    parser.add_argument("--train-chunks", type=int, nargs="+", default=[0, 4, 8, 16],
+    parser.add_argument("--train-chunks", type=int, nargs="+", default=[0, 4, 8, 16, 32],
                         help="input lengths trained on, in chunks (0 = bare stories)")
     parser.add_argument("--eval-chunks", type=int, nargs="+", default=[4, 256, 1024],
                         help="input lengths evaluated, in chunks")

@@ -278,7 +278,7 @@ def run_demo(
     model: str | None = None,
     task: str = "qa1",
     chunk_size: int = 32,
-    train_chunks: tuple[int, ...] = (0, 4, 8, 16),
+    train_chunks: tuple[int, ...] = (0, 4, 8, 16, 32),
     eval_chunks: tuple[int, ...] = (4, 256, 1024),
     pretrain_steps: int = 800,
     entity_share: float = 0.5,
