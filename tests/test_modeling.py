@@ -284,11 +284,19 @@ def test_rows_ending_early_stream_to_their_end_only(tiny_qwen3_dir, monkeypatch,
     stream = model.model._stream
     monkeypatch.setattr(model.model, "_stream", lambda inputs, *args: widths.append(inputs.shape[1]) or
                         stream(inputs, *args))
+    # a whole chunk of padding after the longest row too: the longest rows still run to the end, so the logits kept
+    # there are the whole batch's (the rows that stopped earlier have zeros at padding positions)
+    wider = lambda: model(F.pad(batch, (0, 8)), attention_mask=F.pad(mask, (0, 8)), logits_to_keep=1).logits  # noqa: E731
     trimmed, trimmed_grads = run()
-    assert widths == [8, 16, 24, 40]
-    monkeypatch.setattr(model.model, "_row_ends", lambda token_mask, length: None)
+    with torch.no_grad():
+        trimmed_last = wider()
+    assert widths == [8, 16, 24, 40, 8, 16, 24, 48]
+    monkeypatch.setattr(model.model, "_row_ends", lambda token_mask, length, states: None)
     whole, whole_grads = run()
-    assert widths[4:] == [40]
+    with torch.no_grad():
+        torch.testing.assert_close(trimmed_last[3], wider()[3], atol=1e-5, rtol=1e-5)
+    assert trimmed_last.shape == (4, 1, vocab) and not trimmed_last[:3].any()
+    assert widths[8:] == [40, 48]
     close = dict(atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(trimmed.loss, whole.loss, **close)
     real = mask.bool()

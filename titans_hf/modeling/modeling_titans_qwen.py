@@ -350,7 +350,7 @@ class TitansQwenModel(ChunkStreamsMixin, TitansQwenPreTrainedModel):
         if groups is not None and memory_states is not None:
             raise ValueError("forward: memory_states need rows that start together (right padding, or left padding "
                              f"by whole multiples of padding_multiple = {self.padding_multiple})")
-        ends = None if groups is not None or cache is not None else self._row_ends(token_mask, length)
+        ends = None if groups is not None or cache is not None else self._row_ends(token_mask, length, memory_states)
         if ends is not None:
             stream = self._stream_row_ends(ends, inputs, token_mask, memory_states, request)
         elif groups is None:

@@ -281,18 +281,22 @@ class ChunkStreamsMixin:
                                                            request.for_rows(group.rows, skip))))
         return placed_streams(results, inputs.shape[:2], request)
 
-    def _row_ends(self, token_mask: Tensor | None, length: int) -> Tensor | None:
+    def _row_ends(self, token_mask: Tensor | None, length: int, states: dict[int, MemoryState] | None
+                  ) -> Tensor | None:
         """Where each row of a first call without a cache stops streaming: after its last real token's
-        `padding_multiple` of tokens (at least one); None when the batch runs whole: no padding, no row ending a
-        multiple earlier, an input that is no whole number of multiples, compiled chunks (one graph a shape), or
-        processes under `torch.distributed` (a sharded layer must be called alike on every rank)."""
+        `padding_multiple` of tokens (at least one), the longest rows at the input's end; None when the batch runs
+        whole: no padding, no row ending a multiple earlier, an input or starting `states` off the multiples,
+        compiled chunks (one graph a shape), or processes under `torch.distributed` (a sharded layer must be called
+        alike on every rank)."""
         multiple = self.padding_multiple
         if (token_mask is None or length % multiple or self._compiled_chunk_step is not None
+                or any(state.position % multiple for state in (states or {}).values())
                 or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)):
             return None
         real = token_mask.bool()
         last = torch.where(real.any(1), length - real.flip(1).int().argmax(1), 1)
         ends = (last + multiple - 1) // multiple * multiple
+        ends = torch.where(ends == ends.max(), length, ends)
         return None if bool((ends == length).all()) else ends
 
     def _stream_row_ends(self, ends: Tensor, inputs: Tensor, token_mask: Tensor, states: dict[int, MemoryState] | None,
