@@ -277,8 +277,12 @@ def test_group_by_length_batches_rows_of_one_chunk_count(tiny_qwen3_dir, rows, t
     trainer = make_trainer(tiny_qwen3_dir, tmp_path, rows, collator=RecordingCollator(widths), save_strategy="no",
                            curriculum_chunks=curriculum, per_device_train_batch_size=3, gradient_accumulation_steps=1,
                            train_sampling_strategy="group_by_length")
+    before = trainable_weights(trainer.model)
     trainer.train()
     assert [sorted(widths[:2]), sorted(widths[2:])] == epochs
+    after = trainable_weights(trainer.model)
+    assert all(torch.isfinite(value).all() for value in after.values())
+    assert any(not torch.equal(after[name], before[name]) for name in after), "no memory weight moved"
 
 
 def test_group_by_length_needs_a_chunk_size(tiny_qwen3_dir, rows, tmp_path):

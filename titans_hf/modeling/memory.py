@@ -110,6 +110,16 @@ class MemoryState:
         index = torch.as_tensor(index, dtype=torch.long, device=self.conv_tail.device)
         return self._map(lambda t: t.index_select(0, index))
 
+    @classmethod
+    def concatenated(cls, states: Sequence["MemoryState"]) -> "MemoryState":
+        """The rows of `states` (all at one position) one after another in one batch."""
+        shared = all(state.batch_start_weights is state.weights for state in states)
+        lists = {name: [torch.cat(layer) for layer in zip(*(getattr(state, name) for state in states))]
+                 for name in _LIST_FIELDS if not (shared and name == "batch_start_weights")}
+        return cls(**lists, batch_start_weights=lists["weights"] if shared else lists["batch_start_weights"],
+                   **{name: torch.cat([getattr(state, name) for state in states]) for name in _TENSOR_FIELDS},
+                   position=states[0].position)
+
     def to(self, device: torch.device | str) -> "MemoryState":
         return self._map(lambda t: t.to(device))
 

@@ -179,33 +179,18 @@ def placed_streams(results: Sequence[tuple[Tensor, int, StreamOutput]], shape: t
 
 def joined_row_states(parts: Sequence[tuple[Tensor, MemoryState]], position: int) -> MemoryState:
     """One memory state of a batch from the states its rows ended in: (rows, state) for rows streamed up to the
-    state's position, short of the input's end at `position`, with no unfinished update chunk. Padding after `end` would have
-    written nothing, so the weights stand; the convolution tail is what it would have left: the rows' last
-    projections followed by the padding's zeros."""
+    state's position, short of the input's end at `position`, with no unfinished update chunk. The padding after
+    them would have written nothing, so the weights stand; the convolution tail is what it would have left: the rows'
+    last projections followed by the padding's zeros."""
+
+    def padded(state: MemoryState) -> MemoryState:
+        tail = state.conv_tail
+        padding = tail.new_zeros(state.batch_size, position - state.position, tail.shape[2])
+        tail = torch.cat([tail, padding], dim=1)[:, padding.shape[1]:]
+        return dataclasses.replace(state, conv_tail=tail, position=position)
+
     order = torch.cat([rows for rows, _ in parts]).argsort()
-
-    def joined(tensors: list[Tensor]) -> Tensor:
-        return torch.cat(tensors).index_select(0, order.to(tensors[0].device))
-
-    def tail(state: MemoryState) -> Tensor:
-        padding = state.conv_tail.new_zeros(state.batch_size, position - state.position, state.conv_tail.shape[2])
-        return torch.cat([state.conv_tail, padding], dim=1)[:, padding.shape[1]:]
-
-    states = [state for _, state in parts]
-    weights = [joined(list(layer)) for layer in zip(*(state.weights for state in states))]
-    shared = all(state.batch_start_weights is state.weights for state in states)
-    fields = {name: joined([getattr(state, name) for state in states])
-              for name in ("buffer_keys", "buffer_values", "buffer_lr", "buffer_gate_logits", "buffer_mask")}
-    return MemoryState(
-        weights=weights,
-        momentum=[joined(list(layer)) for layer in zip(*(state.momentum for state in states))],
-        batch_start_weights=weights if shared else [joined(list(layer)) for layer in
-                                                    zip(*(state.batch_start_weights for state in states))],
-        conv_tail=joined([tail(state) for state in states]),
-        **fields,
-        position=position,
-        written=sum_present(state.written for state in states),
-    )
+    return MemoryState.concatenated([padded(state) for _, state in parts]).select(order)
 
 
 def sum_present(values: Iterable[Tensor | None]) -> Tensor | None:
