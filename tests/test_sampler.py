@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from accelerate.data_loader import BatchSamplerShard, SkipBatchSampler
 from torch.utils.data import BatchSampler
 
-from titans_hf.data.sampler import ResumableSampler
+from titans_hf.data.sampler import MAX_SEED, ChunkCurriculumSampler, ResumableSampler, check_sampler_state
 
 
 def rank_batches(sampler, rank: int, batch_size: int, world_size: int = 2, even_batches: bool = True):
@@ -78,6 +80,36 @@ def test_state_of_another_dataset_is_refused():
         sampler.load_state_dict({"epoch": 0, "seed": 0, "shuffle": True, "num_samples": 9})
     with pytest.raises(ValueError, match="lacks"):
         sampler.load_state_dict({"epoch": 0})
+
+
+def test_saved_states_are_checked_field_by_field():
+    """What both samplers save passes the check as JSON gives it back, up to the largest seed torch takes; a field of
+    the wrong type or range is named, with what it must be, before any order is drawn from it."""
+    plain, curriculum = ResumableSampler(range(8), seed=MAX_SEED - 3), ChunkCurriculumSampler([1, 2, 3], [1, 3])
+    plain.set_epoch(3)
+    for sampler in (plain, curriculum):
+        state = json.loads(json.dumps(sampler.state_dict()))
+        check_sampler_state(state)
+        check_sampler_state(state, type(sampler).STATE_KEYS)
+        sampler.load_state_dict(state)
+    assert list(plain) == torch.randperm(8, generator=torch.Generator().manual_seed(MAX_SEED)).tolist()
+
+    state = plain.state_dict()
+    for change, message in [({"seed": MAX_SEED + 1}, f"field 'seed' is {MAX_SEED + 1}, not an integer from 0 to "),
+                            ({"seed": True}, "field 'seed' is True, not an integer"),
+                            ({"epoch": 4}, f"fields 'seed' and 'epoch' sum to {MAX_SEED + 1}, beyond the largest"),
+                            ({"shuffle": 1}, "field 'shuffle' is 1, not true or false"),
+                            ({"seed": "7" * 200}, "field 'seed' is '" + "7" * 76 + "..., not an integer")]:
+        with pytest.raises(ValueError) as raised:
+            plain.load_state_dict({**state, **change})
+        assert message in str(raised.value)
+    assert plain.seed == MAX_SEED - 3 and plain.epoch == 3  # nothing taken from a refused state
+    with pytest.raises(ValueError, match=r"field 'stages' is \[0, 3\], not a list of chunk counts >= 1"):
+        curriculum.load_state_dict({**curriculum.state_dict(), "stages": [0, 3]})
+    with pytest.raises(ValueError, match=r"the state lacks the field\(s\) \['num_rows'\]"):
+        check_sampler_state({"seed": 0, "epoch": 0, "stages": [1], "epochs_per_stage": 1})
+    with pytest.raises(ValueError, match="the state is a list, not a JSON object"):
+        check_sampler_state([0, 1])
 
 
 def test_empty_dataset_is_an_error():

@@ -67,9 +67,29 @@ def ddp_worker(model_dir: str, out_dir: str, data_files: list[str]) -> None:
         def on_save(self, args, state, control, **kwargs):
             control.should_training_stop = state.global_step == STOP_STEP
 
+    class WriteRates(TrainerCallback):
+        """This rank's write rate of every training batch (read from the model's outputs) and, at each training log,
+        how many batches it had seen and the write_rate logged."""
+
+        def __init__(self):
+            self.batches: list[float] = []
+            self.logged: list[tuple[int, float]] = []
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            def record(module, inputs, outputs):
+                if module.training and outputs.write_rate is not None:
+                    self.batches.append(outputs.write_rate.item())
+
+            model.register_forward_hook(record)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if "loss" in logs:
+                self.logged.append((len(self.batches), logs["write_rate"]))
+
     out = Path(out_dir)
+    write_rates = WriteRates()
     runs = {
-        "full": (tiny_recipe(model_dir, data_files, str(out / "full"), "--save_strategy", "no"), None),
+        "full": (tiny_recipe(model_dir, data_files, str(out / "full"), "--save_strategy", "no"), [write_rates]),
         "stopped": (tiny_recipe(model_dir, data_files, str(out / "resumed"), "--save_steps", "1"), [StopAtStep()]),
         "resumed": (tiny_recipe(model_dir, data_files, str(out / "resumed"), "--resume_from_checkpoint", "last"), None),
     }
@@ -80,6 +100,8 @@ def ddp_worker(model_dir: str, out_dir: str, data_files: list[str]) -> None:
         save_file(trainable(trainer.model), str(out / f"{name}_rank{rank}.safetensors"))
         steps[name] = (trainer.state.global_step, trainer.args.world_size)
     (out / f"steps_rank{rank}.json").write_text(json.dumps(steps))
+    (out / f"write_rates_rank{rank}.json").write_text(json.dumps({"batches": write_rates.batches,
+                                                                  "logged": write_rates.logged}))
 
 
 def test_two_process_ddp_training_and_exact_resume(tmp_path, tiny_qwen3_dir, babilong_files):
@@ -98,6 +120,18 @@ def test_two_process_ddp_training_and_exact_resume(tmp_path, tiny_qwen3_dir, bab
     for rank in (0, 1):
         steps = json.loads((tmp_path / f"steps_rank{rank}.json").read_text())
         assert steps == {"full": [STEPS, 2], "stopped": [STOP_STEP, 2], "resumed": [STEPS, 2]}
+    # the logged write_rate is the mean over ranks of each rank's mean over its batches since the last log (as the
+    # loss is averaged), the same on both ranks; not rank 0's alone, which differs from it by more than the rounding
+    rates = [json.loads((tmp_path / f"write_rates_rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert rates[0]["logged"] == rates[1]["logged"]
+    assert [end for end, _ in rates[0]["logged"]] == [4, 7, 10]  # a log every 2 steps; an epoch is 2 + 2 + 1 batches
+    start, apart = 0, []
+    for end, logged in rates[0]["logged"]:
+        means = [sum(rank["batches"][start:end]) / (end - start) for rank in rates]
+        assert logged == pytest.approx(sum(means) / 2, abs=1e-6)
+        apart.append(abs(means[0] - means[1]) / 2)
+        start = end
+    assert max(apart) > 1e-5
     weights = {
         (run, rank): load_file(tmp_path / f"{run}_rank{rank}.safetensors")
         for run in ("full", "stopped", "resumed")

@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import tempfile
 
 import datasets
@@ -608,22 +609,27 @@ def test_passed_memory_states_mix_rows_by_share():
     assert passed_memory_states(fresh, {3: ended}, 0.0) is fresh
 
 
-def test_state_passing_resumes_bitwise(tiny_qwen3_dir, rows, tmp_path):
+def test_state_passing_resumes_bitwise_from_the_states_it_saved(tiny_qwen3_dir, rows, tmp_path):
     """The states the last micro-batch ended in are saved beside each checkpoint and resumed from: a run stopped at
-    step 2 and resumed ends bitwise where the uninterrupted one does; without them it would not."""
-    full = make_trainer(tiny_qwen3_dir, tmp_path / "full", rows, save_strategy="no", state_passing=0.5)
+    step 2 and resumed ends bitwise where the uninterrupted one does. Every row passes its state on (share 1), so the
+    resumed run's first micro-batch starts from the saved states: the same checkpoint with those states doubled ends
+    elsewhere (with share 0.5 this seed's first draw after the resume starts the row fresh, and would hide whether
+    the saved states are read at all)."""
+    full = make_trainer(tiny_qwen3_dir, tmp_path / "full", rows, save_strategy="no", state_passing=1.0)
     full.train()
-    first = make_trainer(tiny_qwen3_dir, tmp_path / "run", rows, callbacks=[StopAtStep(2)], state_passing=0.5)
+    first = make_trainer(tiny_qwen3_dir, tmp_path / "run", rows, callbacks=[StopAtStep(2)], state_passing=1.0)
     first.train()
-    assert (tmp_path / "run" / "checkpoint-2" / "passed_memory_states.safetensors").is_file()
-    resumed = make_trainer(tiny_qwen3_dir, tmp_path / "run", rows, state_passing=0.5)
-    resumed.train(resume_from_checkpoint=True)
+    shutil.copytree(tmp_path / "run", tmp_path / "tampered")
+    resumed = make_trainer(tiny_qwen3_dir, tmp_path / "run", rows, state_passing=1.0)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
     for name, weight in trainable_weights(full.model).items():
         assert torch.equal(trainable_weights(resumed.model)[name], weight), name
-    without = make_trainer(tiny_qwen3_dir, tmp_path / "run2", rows, callbacks=[StopAtStep(2)], state_passing=0.5)
-    without.train()
-    (tmp_path / "run2" / "checkpoint-2" / "passed_memory_states.safetensors").unlink()
-    forgetful = make_trainer(tiny_qwen3_dir, tmp_path / "run2", rows, state_passing=0.5)
-    forgetful.train(resume_from_checkpoint=True)
-    assert not all(torch.equal(trainable_weights(forgetful.model)[n], w)
-                   for n, w in trainable_weights(full.model).items())
+
+    states = tmp_path / "tampered" / "checkpoint-2" / "passed_memory_states.safetensors"
+    doubled = {key: tensor * 2 if ".weights." in key or ".batch_start_weights." in key else tensor
+               for key, tensor in safetensors.torch.load_file(str(states)).items()}
+    safetensors.torch.save_file(doubled, str(states))
+    tampered = make_trainer(tiny_qwen3_dir, tmp_path / "tampered", rows, state_passing=1.0)
+    tampered.train(resume_from_checkpoint=True)
+    assert not all(torch.equal(trainable_weights(tampered.model)[name], weight)
+                   for name, weight in trainable_weights(full.model).items())

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Iterator, Sized
 
 import datasets
@@ -25,6 +25,48 @@ from torch.utils.data import Sampler
 from tqdm.auto import tqdm
 
 
+# The largest seed `torch.Generator.manual_seed` takes; a sampler seeds it with seed + epoch.
+MAX_SEED = 2**64 - 1
+
+
+def _is_count(value: Any, minimum: int = 0) -> bool:
+    """Whether `value` is an int (not a bool) of at least `minimum`."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+# The fields of a saved sampler state (`state_dict()`), each with the test its value must pass and what it asks for.
+STATE_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "seed": (lambda value: _is_count(value) and value <= MAX_SEED, f"an integer from 0 to {MAX_SEED}"),
+    "epoch": (lambda value: _is_count(value) and value <= MAX_SEED, f"an integer from 0 to {MAX_SEED}"),
+    "shuffle": (lambda value: isinstance(value, bool), "true or false"),
+    "num_samples": (_is_count, "a number of rows"),
+    "num_rows": (_is_count, "a number of rows"),
+    "stages": (lambda value: isinstance(value, list) and len(value) > 0 and all(_is_count(cap, 1) for cap in value),
+               "a list of chunk counts >= 1"),
+    "epochs_per_stage": (lambda value: _is_count(value, 1), "an integer >= 1"),
+    "group_size": (lambda value: value is None or _is_count(value, 1), "an integer >= 1 or null"),
+}
+
+
+def check_sampler_state(state: Any, required: Sequence[str] | None = None) -> None:
+    """A ValueError naming the field of `state` (a sampler's `state_dict()` read back from a file) that is missing,
+    or whose value is of the wrong type or out of range (a seed and an epoch whose sum `torch.Generator` cannot
+    take among them). `required`: the fields that must be there; None: those of either sampler."""
+    if not isinstance(state, dict):
+        raise ValueError(f"the state is a {type(state).__name__}, not a JSON object of the sampler's fields")
+    options = [required] if required is not None else [ResumableSampler.STATE_KEYS, ChunkCurriculumSampler.STATE_KEYS]
+    if not any(all(name in state for name in fields) for fields in options):
+        missing = min(([name for name in fields if name not in state] for fields in options), key=len)
+        raise ValueError(f"the state lacks the field(s) {missing}")
+    for name, (valid, wanted) in STATE_FIELDS.items():
+        if name in state and not valid(state[name]):
+            shown = repr(state[name])
+            raise ValueError(f"field {name!r} is {shown if len(shown) <= 80 else shown[:77] + '...'}, not {wanted}")
+    if "seed" in state and "epoch" in state and state["seed"] + state["epoch"] > MAX_SEED:
+        raise ValueError(f"fields 'seed' and 'epoch' sum to {state['seed'] + state['epoch']}, beyond the largest seed "
+                         f"{MAX_SEED}")
+
+
 def _world_size() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
@@ -33,6 +75,8 @@ def _world_size() -> int:
 
 class ResumableSampler(Sampler[int]):
     """Every index once per epoch, in a permutation drawn from ``seed + epoch`` (or in order)."""
+
+    STATE_KEYS = ("epoch", "seed", "shuffle", "num_samples")  # the fields of `state_dict()`
 
     def __init__(self, data_source: Sized, shuffle: bool = True, seed: int = 0):
         self.data_source = data_source
@@ -68,16 +112,15 @@ class ResumableSampler(Sampler[int]):
         return {"epoch": self.epoch, "seed": self.seed, "shuffle": self.shuffle, "num_samples": len(self.data_source)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the order of a saved run; a dataset of another size would make that order meaningless."""
-        missing = [key for key in ("epoch", "seed", "shuffle", "num_samples") if key not in state]
-        if missing:
-            raise ValueError(f"ResumableSampler state lacks {missing}")
+        """Restore the order of a saved run; a field of the wrong type or range (`check_sampler_state`), and a
+        dataset of another size, which would make that order meaningless, are ValueErrors."""
+        check_sampler_state(state, self.STATE_KEYS)
         if state["num_samples"] != len(self.data_source):
             raise ValueError(
                 f"ResumableSampler state was saved for {state['num_samples']} rows, "
                 f"but the dataset has {len(self.data_source)}"
             )
-        self.epoch, self.seed, self.shuffle = int(state["epoch"]), int(state["seed"]), bool(state["shuffle"])
+        self.epoch, self.seed, self.shuffle = state["epoch"], state["seed"], state["shuffle"]
 
 
 class ChunkCurriculumSampler(Sampler[int]):
@@ -96,6 +139,9 @@ class ChunkCurriculumSampler(Sampler[int]):
     last. A batch is padded to its longest row, so a step of rows of 4 chunks then costs 4 chunks
     of work, not the 32 of the longest row drawn beside them.
     """
+
+    # the fields of `state_dict()` a saved state must hold (`group_size` may be missing: null)
+    STATE_KEYS = ("seed", "epoch", "stages", "epochs_per_stage", "num_rows")
 
     def __init__(
         self,
@@ -158,6 +204,9 @@ class ChunkCurriculumSampler(Sampler[int]):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the order of a saved run; a field of the wrong type or range (`check_sampler_state`), and another
+        curriculum, which would not replay the same rows, are ValueErrors."""
+        check_sampler_state(state, self.STATE_KEYS)
         saved = (state["stages"], state["epochs_per_stage"], state["num_rows"], state.get("group_size"))
         if saved != (self.stages, self.epochs_per_stage, self.num_rows, self.group_size):
             raise ValueError(

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from pathlib import Path
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from titans_hf.data.sampler import ChunkCurriculumSampler, ResumableSampler
+from titans_hf.data.sampler import ChunkCurriculumSampler, ResumableSampler, check_sampler_state
 from titans_hf.files import atomic_write_json
 
 from .checkpointing import SAMPLER_STATE_NAME
@@ -25,8 +26,9 @@ class SamplerStateCallback(TrainerCallback):
       sampler's `set_epoch` only through accelerate's loader, which forwards it through a limited depth of batch
       sampler wrappers; the wrapper that skips a resumed epoch's trained batches can put the sampler beyond that
       depth, and a resumed epoch >= 1 would then replay epoch 0's order.
-    - At the first epoch of a resumed run, the sampler first takes the state saved in the checkpoint
-      (`sampler_state.json`): the saved seed wins over a changed `--seed`.
+    - A resumed run reads the state saved in the checkpoint (`sampler_state.json`) before training starts
+      (`resume_from`), refusing one whose fields are not a sampler's (naming the file and the field); at its first
+      epoch the sampler takes it: the saved seed wins over a changed `--seed`.
     - `save` writes that state into a checkpoint folder; `TitansTrainer` calls it before the Trainer writes the
       checkpoint's own files, so a checkpoint whose `trainer_state.json` exists holds it.
 
@@ -35,14 +37,27 @@ class SamplerStateCallback(TrainerCallback):
     Attributes:
         sampler (`ResumableSampler`, `ChunkCurriculumSampler` or `None`): the sampler of the training rows, set when
             the Trainer builds its loader; None for an `IterableDataset`, which has none.
-        resume_from_checkpoint (`str` or `None`): the checkpoint the run resumes from, set by `TitansTrainer.train`;
-            None for a fresh run, and once its state is loaded.
     """
 
     def __init__(self) -> None:
         self.sampler: ResumableSampler | ChunkCurriculumSampler | None = None
-        self.resume_from_checkpoint: str | None = None
+        self._saved: tuple[Path, dict] | None = None  # the state the first epoch loads, and the file it came from
         self._epoch = 0
+
+    def resume_from(self, checkpoint: str | os.PathLike | None) -> None:
+        """Read the sampler state saved in `checkpoint`, for the first epoch to load (nothing for a fresh run,
+        None, or a checkpoint without one): a ValueError naming the file, and the field where one is wrong
+        (`check_sampler_state`), when it is not a sampler's state. `TitansTrainer.train` calls it before training."""
+        self._saved = None
+        if checkpoint is None or not Path(checkpoint, SAMPLER_STATE_NAME).is_file():
+            return
+        path = Path(checkpoint, SAMPLER_STATE_NAME)
+        try:
+            state = json.loads(path.read_text(encoding="utf-8"))
+            check_sampler_state(state)
+        except (UnicodeDecodeError, RecursionError, ValueError) as error:  # json's errors are ValueErrors
+            raise ValueError(f"{path}: not the state of this run's sampler ({error})") from error
+        self._saved = (path, state)
 
     def save(self, folder: Path) -> None:
         """Write the sampler's state into the checkpoint `folder` (nothing without a sampler)."""
@@ -64,14 +79,12 @@ class SamplerStateCallback(TrainerCallback):
         self._epoch += 1
         if sampler is None:
             return
-        if self.resume_from_checkpoint is not None:
-            sampler_state = Path(self.resume_from_checkpoint, SAMPLER_STATE_NAME)
-            self.resume_from_checkpoint = None
-            if sampler_state.is_file():
-                try:
-                    sampler.load_state_dict(json.loads(sampler_state.read_text(encoding="utf-8")))
-                except (UnicodeDecodeError, json.JSONDecodeError, TypeError, KeyError, ValueError) as error:
-                    raise ValueError(f"{sampler_state}: not the state of this run's sampler ({error})") from error
+        if self._saved is not None:
+            (path, saved), self._saved = self._saved, None
+            try:
+                sampler.load_state_dict(saved)
+            except ValueError as error:
+                raise ValueError(f"{path}: not the state of this run's sampler ({error})") from error
         sampler.set_epoch(epoch)
         if isinstance(sampler, ChunkCurriculumSampler) and state.is_world_process_zero:
             stage = sampler.stage(epoch)

@@ -55,7 +55,7 @@ RESUME_SETTINGS = (
     "learning_rate", "gradient_accumulation_steps", "per_device_train_batch_size", "world_size", "num_train_epochs",
     "max_steps", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio", "weight_decay",
     "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "optim", "seed", "data_seed", "bf16", "fp16",
-    "curriculum_chunks", "curriculum_epochs_per_stage",
+    "curriculum_chunks", "curriculum_epochs_per_stage", "state_passing",
 )
 
 
@@ -156,23 +156,56 @@ def save_passed_states(path: Path, states: dict[int, MemoryState]) -> None:
 
 
 def load_passed_states(path: Path, fresh: dict[int, MemoryState]) -> dict[int, MemoryState]:
-    """The memory states saved at `path`, one per layer of `fresh` (the model's initial states), each checked to fit
-    that layer's memory and to be finite; anything else is an error naming `path`."""
+    """The memory states saved at `path` (`save_passed_states`), one per memory layer of `fresh` (the model's initial
+    states). A ValueError naming `path` when the file is missing, is no safetensors file, or holds states that are not
+    this memory's (`_passed_states_problem`)."""
+    if not path.is_file():
+        raise ValueError(f"{path} is missing, so the rows that State Passing starts from the memory states the "
+                         "interrupted run's last micro-batch ended in would start fresh: another run, not this one "
+                         "resumed (resume from a checkpoint that holds it; a checkpoint of a run without State "
+                         "Passing resumes with state_passing 0)")
     try:
         flat = load_file(str(path))
-        states = {}
-        for layer in fresh:
-            prefix = f"{layer}."
-            state = MemoryState.from_state_dict({key[len(prefix):]: value for key, value in flat.items()
-                                                 if key.startswith(prefix)})
-            if [w.shape[1:] for w in state.weights] != [w.shape[1:] for w in fresh[layer].weights]:
-                raise ValueError(f"layer {layer}'s weights do not fit this model's memory")
-            if not all(torch.isfinite(w).all() for w in (*state.weights, *state.momentum)):
-                raise ValueError(f"layer {layer}'s state is not finite")
-            states[layer] = state
-    except (OSError, SafetensorError, KeyError, ValueError) as error:
-        raise ValueError(f"{path}: not the passed memory states of this run ({error})") from error
-    return states
+    except (OSError, SafetensorError) as error:
+        raise ValueError(f"{path}: not a readable safetensors file ({error})") from error
+    problem = _passed_states_problem(flat, fresh)
+    if problem is not None:
+        raise ValueError(f"{path}: not the passed memory states of this run ({problem})")
+    return {layer: MemoryState.from_state_dict({key[len(f"{layer}."):]: tensor for key, tensor in flat.items()
+                                                if key.startswith(f"{layer}.")})
+            for layer in fresh}
+
+
+def _passed_states_problem(flat: dict[str, torch.Tensor], fresh: dict[int, MemoryState]) -> str | None:
+    """What makes `flat` (the tensors of a passed-states file, `{layer}.{key}`) other than the states of `fresh`'s
+    memory layers, or None: other layers; per layer other keys (another memory depth) than `MemoryState.state_dict`
+    gives; a tensor of another dtype, or of another shape past the batch axis (other heads, head dim, convolution);
+    rows not the same number in every tensor; values that are not finite. The batch axis may hold any number of rows,
+    and the axis of an update chunk's buffered tokens (empty in a fresh state) any number of tokens."""
+    layers = sorted({key.split(".", 1)[0] for key in flat})
+    if layers != sorted(str(layer) for layer in fresh):
+        return f"it holds the states of memory layers {layers}, this model's memory layers are {sorted(fresh)}"
+    rows = set()
+    for layer, state in fresh.items():
+        expected = state.state_dict()
+        saved = {key[len(f"{layer}."):]: tensor for key, tensor in flat.items() if key.startswith(f"{layer}.")}
+        if saved.keys() != expected.keys():
+            return f"layer {layer}'s state holds {sorted(saved)}, this memory's {sorted(expected)}"
+        for key, want in expected.items():
+            got = saved[key]
+            fits = got.dtype == want.dtype and got.dim() == want.dim() and all(
+                size == wanted or wanted == 0 for size, wanted in zip(got.shape[1:], want.shape[1:]))
+            if not fits:
+                return (f"layer {layer}'s {key} is {got.dtype} of shape {tuple(got.shape)}, this memory's is "
+                        f"{want.dtype} of shape (rows, {', '.join(map(str, want.shape[1:]))})")
+            if got.is_floating_point() and not bool(torch.isfinite(got).all()):
+                return f"layer {layer}'s {key} holds NaN or infinite values"
+            if got.dim():
+                rows.add(got.shape[0])
+    if len(rows) != 1 or 0 in rows:
+        return f"its tensors hold {sorted(rows)} rows, not one number of rows >= 1"
+    return None
+
 
 # ---- checks: complete checkpoints, resumes that are the same run ----
 

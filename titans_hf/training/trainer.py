@@ -53,7 +53,7 @@ from titans_hf.modeling.memory_folder import (
     TRAINABLE_BASE_WEIGHTS_NAME,
     save_memory_folder,
 )
-from titans_hf.outputs import record_outputs, unrecorded_reason
+from titans_hf.outputs import MANIFEST_NAME, read_manifest, record_outputs, unrecorded_reason
 
 from .callbacks import SamplerStateCallback
 from .checkpointing import (
@@ -359,10 +359,12 @@ class TitansTrainer(FiniteSteps, CompiledChunks, Trainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """The Trainer's log; a training log also gets `write_rate`, the memory's mean write (theta / max_lr, what the
-        write cost weighs) over this process's batches since the last one, and `write_cost`, the weight the last of
-        them was given."""
+        write cost weighs) over the batches since the last one, averaged over processes as the Trainer averages the
+        loss (each process's mean, then their mean), and `write_cost`, the weight the last of them was given. Every
+        process logs a training log, so the average is a collective they all reach."""
         if self._write_rates and "loss" in logs:
-            logs = {**logs, "write_rate": round(torch.stack(self._write_rates).mean().item(), 6)}
+            rate = self.accelerator.reduce(torch.stack(self._write_rates).mean(), reduction="mean")
+            logs = {**logs, "write_rate": round(rate.item(), 6)}
             if self._write_cost is not None:
                 logs["write_cost"] = round(self._write_cost, 6)
             self._write_rates = []
@@ -388,8 +390,10 @@ class TitansTrainer(FiniteSteps, CompiledChunks, Trainer):
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """`Trainer.train`; `resume_from_checkpoint=True` takes the newest *complete* checkpoint (saying which
-        incomplete ones it passed over), and an explicit checkpoint that is incomplete is refused, naming why. The
-        main process holds the training lock of output_dir for the whole run (`training_lock`)."""
+        incomplete ones it passed over), and an explicit checkpoint that is incomplete is refused, naming why. A
+        resume reads and checks, before training, what the checkpoint holds beside the Trainer's files (`check_resume`,
+        the memory states State Passing passes on, the sampler's state). The main process holds the training lock of
+        output_dir for the whole run (`training_lock`)."""
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
         elif resume_from_checkpoint:
@@ -401,12 +405,34 @@ class TitansTrainer(FiniteSteps, CompiledChunks, Trainer):
             check_resume(Path(resume_from_checkpoint), self.args, self.accelerator.unwrap_model(self.model),
                          self.train_dataset, main_process)
             warn_about_changed_arguments(Path(resume_from_checkpoint), self.args, main_process)
-        self._sampler_state.resume_from_checkpoint = str(resume_from_checkpoint) if resume_from_checkpoint else None
+        self._passed_states = self._resumed_passed_states(resume_from_checkpoint) if resume_from_checkpoint else None
+        self._sampler_state.resume_from(resume_from_checkpoint or None)
         with training_lock(self.args.output_dir) if self.is_world_process_zero() else contextlib.nullcontext():
             if not resume_from_checkpoint and self.args.save_strategy != "no":
                 refuse_earlier_checkpoints(self.args.output_dir)
             self._check_final_save_outputs(fresh=not resume_from_checkpoint)
             return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _resumed_passed_states(self, checkpoint: str) -> dict[int, MemoryState] | None:
+        """Under State Passing, the memory states the checkpoint's last micro-batch ended in (this process's file
+        beside it), which the resumed run's first micro-batch passes on: read and checked before training, and
+        refused, naming the file, when it is missing, not finite or not this memory's (`load_passed_states`); every
+        process stops when one does. None without State Passing."""
+        if not self.args.state_passing:
+            return None
+        titans = self.accelerator.unwrap_model(self.model)
+        states, problem = None, None
+        try:
+            states = load_passed_states(Path(checkpoint, passed_states_name(self.args)), titans.init_memory_states(1))
+        except ValueError as error:
+            problem = error
+        failed = self.accelerator.reduce(torch.tensor(float(problem is not None), device=self.args.device))
+        if problem is not None:
+            raise ValueError(f"cannot resume from {checkpoint}: {problem}") from problem
+        if failed.item():
+            raise ValueError(f"cannot resume from {checkpoint}: another process's passed memory states are not this "
+                             "run's (its error names the file)")
+        return {layer: state.to(self.args.device) for layer, state in states.items()}
 
     @functools.cached_property
     def _final_save_names(self) -> list[str]:
@@ -425,9 +451,17 @@ class TitansTrainer(FiniteSteps, CompiledChunks, Trainer):
         write there (a user's `tokenizer.json`, say), or, for a fresh run without `overwrite_output_dir`, the memory
         an earlier run saved there (every rank checks)."""
         folder = Path(self.args.output_dir)
-        for path in (folder / name for name in self._final_save_names):
-            if not (path.exists() or path.is_symlink()):
-                continue
+        present = [path for path in (folder / name for name in self._final_save_names)
+                   if path.exists() or path.is_symlink()]
+        if (folder / MANIFEST_NAME).is_file() and present and read_manifest(folder) == {"whole": None, "files": {}}:
+            raise FileExistsError(
+                f"output_dir {folder}: the memory saved at the end of training would replace "
+                f"{', '.join(path.name for path in present)}, and {folder / MANIFEST_NAME}, the record of what "
+                "titans_hf wrote there, vouches for none of them: it holds the inode of the folder it was written in, "
+                "and this folder is another (a copy of a run's output_dir, e.g. by cp -r) or the record is "
+                "unreadable; resume into a new output_dir (--output_dir, with --resume_from_checkpoint naming the "
+                "checkpoint), or delete those files from this folder first")
+        for path in present:
             problem = unrecorded_reason(path)
             if problem is not None:
                 raise FileExistsError(f"output_dir {folder}: the memory saved at the end of training would replace "
@@ -565,19 +599,7 @@ class TitansTrainer(FiniteSteps, CompiledChunks, Trainer):
             raise ValueError(f"{unreadable_file(checkpoint, names)}: cannot be loaded into this run's optimizer and "
                              f"scheduler ({error})") from error
 
-    def _load_passed_states(self, checkpoint: str) -> None:
-        """State Passing resumes from the states the checkpoint's last micro-batch ended in (saved beside it)."""
-        path = Path(checkpoint, passed_states_name(self.args))
-        if not self.args.state_passing or not path.is_file():
-            return
-        titans = self.accelerator.unwrap_model(self.model)
-        states = load_passed_states(path, titans.init_memory_states(1))
-        device = next(titans.parameters()).device
-        self._passed_states = {layer: state.to(device) for layer, state in states.items()}
-
     def _load_rng_state(self, checkpoint: str | None) -> None:
-        if checkpoint is not None:
-            self._load_passed_states(checkpoint)
         try:
             super()._load_rng_state(checkpoint)
         except (RuntimeError, OSError, EOFError, pickle.UnpicklingError, KeyError, TypeError, ValueError) as error:
