@@ -522,6 +522,44 @@ def test_card_without_results_and_a_local_base_is_refused():
             render_memory_card(dataclasses.replace(MEMORY_CONFIG, base_model_name_or_path=local), repo_id=REPO_ID)
 
 
+def card_section(card_text: str, title: str) -> str:
+    """The text of a card's section, up to the next one."""
+    start = card_text.index(f"## {title}\n")
+    end = card_text.find("\n## ", start + 1)
+    return " ".join(card_text[start:end].split())  # Markdown joins the lines of a paragraph
+
+
+def test_the_cards_prose_follows_the_update_rule_forgetting_and_attention():
+    """The card once told every memory's story as a gradient rule with momentum and decay under chunk-local
+    attention, whatever its settings table said: now each of those sentences comes from the settings."""
+    delta = dataclasses.replace(MEMORY_CONFIG, update_rule="delta", memory_depth=1, max_lr=0.5, theta_bias_init=-6.0,
+                                forget_bias_init=-30.0, write_cost=1.0, attend_previous_chunk=True)
+    text = card_section(render_memory_card(delta, repo_id=REPO_ID), "What the memory is")
+    assert "with ordinary attention over each chunk and the chunk before it (a sliding window of two chunks)" in text
+    assert "a linear map per head (`M_W(k) = k + k W`), 2 heads of 8 dimensions" in text
+    assert "below `max_lr` = 0.5 (it starts near 0.0012)" in text  # 0.5 sigmoid(-6)
+    assert "It writes by the **delta rule**: every token takes its own step" in text
+    assert "There is no momentum, and each head's weights are rescaled to a Frobenius norm of 11.31" in text  # 4 √8
+    assert "It does not forget: its forget gate `α` starts at 9.4e-14 per update (bias -30.0)" in text
+    assert not any(word in text for word in ("gradient rule", "S ← η S", "It forgets", "chunk-local"))
+    assert "plus a write cost: 1.0 × the mean of `θ_t / max_lr`" in card_section(
+        render_memory_card(delta, repo_id=REPO_ID), "How it was trained")
+
+    gradient = dataclasses.replace(MEMORY_CONFIG, forget_bias_init=-4.0, memory_batch_size=32,
+                                   attend_previous_chunk=False)
+    card_text = render_memory_card(gradient, repo_id=REPO_ID)
+    text = card_section(card_text, "What the memory is")
+    assert "with ordinary attention inside each chunk only (chunk-local attention)" in text
+    assert "an MLP per head (depth 2, hidden width 4 × the head size, with a residual)" in text
+    assert ("It writes by Titans' **gradient rule**: every 16 tokens, the gradient of the associative-recall loss "
+            "`Σ_t θ_t ‖M_W(k_t) − v_t‖²` (the \"surprise\") at the weights its memory batch of 32 tokens started "
+            "with, clipped, enters a momentum `S ← η S − G`") in text
+    assert "It forgets: each update keeps `1 − α` of the weights, with a learned forget gate `α` per update chunk " \
+           "that starts near 0.018 (bias -4.0)" in text  # sigmoid(-4)
+    assert not any(word in text for word in ("delta rule", "no momentum", "does not forget", "the chunk before it"))
+    assert "write cost" not in card_text  # the gradient rule's default weight is 0
+
+
 @pytest.mark.parametrize(
     ("results", "message"),
     [
@@ -659,7 +697,9 @@ def test_a_memory_saved_before_attend_previous_chunk_loads_with_it_off():
     """The window is the default for new memories; one whose config predates the setting was trained without it."""
     assert TitansMemoryConfig().attend_previous_chunk is True
     assert TitansMemoryConfig.from_dict({"chunk_size": 32}).attend_previous_chunk is True  # settings, not a file
-    saved = MEMORY_CONFIG.to_dict()
-    del saved["attend_previous_chunk"]
+    # a file of that time: no format_version, and none of the settings added after attend_previous_chunk
+    later = ("format_version", "attend_previous_chunk", "theta_bias_init", "forget_bias_init", "update_rule",
+             "max_memory_norm", "write_cost")
+    saved = {name: value for name, value in MEMORY_CONFIG.to_dict().items() if name not in later}
     assert TitansMemoryConfig.from_dict(saved).attend_previous_chunk is False
     assert TitansMemoryConfig.from_dict({**saved, "attend_previous_chunk": True}).attend_previous_chunk is True

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -85,10 +86,19 @@ def _evaluation_rows(results: dict | None) -> list[dict]:
     return rows
 
 
+def _sigmoid(x: float) -> float:
+    """The logistic function of a gate's bias: where the gate starts."""
+    return 0.5 * (1 + math.tanh(x / 2))
+
+
 def render_memory_card(config: TitansMemoryConfig, results: dict | None = None, *, repo_id: str | None = None,
                        datasets: list[str] | None = None, adapter: dict[str, Any] | None = None) -> str:
     """README.md of a memory repository: Hub metadata (base model, library, tags, datasets, evaluation results),
     what the memory is, how it was trained, its evaluation table and the line that loads it.
+
+    The prose follows the settings: the attention context (`attend_previous_chunk`), the memory model, the update
+    rule (the delta rule and its norm bound, or the gradient rule with momentum), whether the forget gate starts
+    open enough to forget, the write cost, the variant.
 
     The base must be named by a Hub id: a local path never goes into a public card. `repo_id` is the repository
     the card will live in (it appears in the loading snippet); `datasets` are Hub ids of the training data;
@@ -127,6 +137,9 @@ def render_memory_card(config: TitansMemoryConfig, results: dict | None = None, 
         base_model=base_model,
         revision=config.revision,
         memory_settings=settings,
+        initial_theta=config.max_lr * _sigmoid(config.theta_bias_init),
+        forget_rate=_sigmoid(config.forget_bias_init),
+        memory_norm_bound=config.memory_norm_bound,
         base_shape=config.base_shape,
         titans_hf_version=config.titans_hf_version,
         evaluation_rows=rows,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+import torch
 from huggingface_hub.dataclasses import strict
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.configuration_utils import SubConfigSpec
@@ -34,6 +35,31 @@ THETA_BIAS_INIT = {"delta": -6.0, "gradient": -2.0}
 # writes between facts small, and a fact's half-life near 1,000 stand-in chunks instead of 300-400 (weight 4 lost
 # accuracy at every length); the gradient rule was not measured with one.
 WRITE_COST = {"delta": 1.0, "gradient": 0.0}
+# The format of a saved memory config. A file of this format holds every field (to_dict writes them all), and one that
+# lacks a field is refused; a file without `format_version` was written before formats were numbered, and a setting it
+# lacks keeps the value memories had before the setting existed (SETTINGS_BEFORE_THEY_EXISTED). A new field means a
+# new format number: files of the older formats then get, when they lack it, the value older memories had.
+MEMORY_CONFIG_FORMAT_VERSION = 1
+# For each setting an unnumbered file may lack: the value memories had before it existed, and the settings added with
+# it or after it (every titans_hf that wrote one of those wrote this setting too, so a file holding one of them but
+# not this setting lost it, and its meaning with it).
+SETTINGS_BEFORE_THEY_EXISTED: dict[str, tuple[Any, tuple[str, ...]]] = {
+    "attend_previous_chunk": (False, ("theta_bias_init", "forget_bias_init", "update_rule", "max_memory_norm",
+                                      "write_cost")),
+    "update_rule": ("gradient", ("max_memory_norm", "write_cost")),
+    "write_cost": (0.0, ()),
+}
+# The largest magnitude a float32 holds: the gate biases are float32 parameters and the loss a float32 sum, so a
+# number past it cannot reach them (and max_memory_norm past it makes the rescale 0 / inf: a memory wiped every chunk).
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+# The gradient rule's upper bound on max_lr. Its update is clipped: each chunk's surprise G = sum_t 2 theta_t
+# k_t^T r_t (||k_t|| = 1, r_t = M(k_t) - v_t the residual) is scaled by c / max(||G||, c), so a theta past the point
+# where every chunk reaches the clip changes nothing, but the clip needs ||G||^2 within float32: at ||G|| >= 2^64
+# (~1.8e19) the norm is inf, the scale 0, and the chunk's write silently vanishes (NaN follows from max_lr ~ 1e38,
+# where theta itself overflows). With theta < max_lr, ||G|| < 2 max_lr C max ||r_t|| for C = memory_chunk_size
+# tokens (the linear memory; deeper ones add their layers' norms); max_lr <= 1e6 keeps it under 2^64 for update chunks
+# of 4096 tokens with residual norms up to 2e9.
+MAX_GRADIENT_RULE_LR = 1e6
 
 
 @dataclass
@@ -76,7 +102,8 @@ class TitansMemoryConfig:
             How the memory writes: "delta" (each token's step at the weights the tokens before it left, its norm
             bounded by `max_memory_norm`) or "gradient" (Titans' chunked rule, with momentum).
         max_lr (`float`, *optional*, defaults to 0.5):
-            Upper bound of the data-dependent inner learning rate theta (delta: at most 0.5).
+            Upper bound of the data-dependent inner learning rate theta (delta: at most 0.5; gradient: at most
+            `MAX_GRADIENT_RULE_LR`, 1e6, where its clipped step can still be computed).
         max_memory_norm (`float`, *optional*, defaults to `None`):
             delta: each head's fast weights are rescaled to this Frobenius norm whenever an update leaves them above
             it; None: 4 * sqrt(`memory_head_dim`).
@@ -146,7 +173,7 @@ class TitansMemoryConfig:
                 "chunked rule: every token's gradient at its chunk's starting weights, clipped, with momentum)."})
     max_lr: float = field(default=0.5, metadata={
         "help": "Upper bound of the data-dependent inner learning rate theta (delta: at most 0.5, a step 2 theta "
-                "<= 1)."})
+                "<= 1; gradient: at most 1e6, where its clipped step can still be computed in float32)."})
     max_memory_norm: float | None = field(default=None, metadata={
         "help": "delta: each head's fast weights are rescaled to this Frobenius norm whenever an update leaves "
                 "them above it (None: 4 * sqrt(memory_head_dim))."})
@@ -212,25 +239,28 @@ class TitansMemoryConfig:
         for name in ("freeze_base", "checkpoint_chunks", "attend_previous_chunk"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
-        if isinstance(self.max_lr, bool) or not isinstance(self.max_lr, (int, float)) or not self.max_lr > 0:
-            raise ValueError(f"max_lr={self.max_lr!r} must be a number > 0")
-        self.max_lr = float(self.max_lr)
-        if self.max_memory_norm is not None:
-            if (isinstance(self.max_memory_norm, bool) or not isinstance(self.max_memory_norm, (int, float))
-                    or not math.isfinite(self.max_memory_norm) or not self.max_memory_norm > 0):
-                raise ValueError(f"max_memory_norm={self.max_memory_norm!r} must be a finite number > 0 or None")
-            self.max_memory_norm = float(self.max_memory_norm)
-        if self.update_rule not in UPDATE_RULES:  # here, not with the other registries: it picks a default
+        if self.update_rule not in UPDATE_RULES:  # here, not with the other registries: it picks defaults
             raise ValueError(f"update_rule={self.update_rule!r} must be one of {sorted(UPDATE_RULES)}")
         if self.theta_bias_init is None:
             self.theta_bias_init = THETA_BIAS_INIT[self.update_rule]
         if self.write_cost is None:
             self.write_cost = WRITE_COST[self.update_rule]
-        for name in ("theta_bias_init", "forget_bias_init", "write_cost"):
+        for name in ("max_lr", "max_memory_norm", "theta_bias_init", "forget_bias_init", "write_cost"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{name}={value!r} must be a finite number")
+            if value is None and name == "max_memory_norm":
+                continue
+            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                    or abs(value) > FLOAT32_MAX):
+                raise ValueError(f"{name}={value!r} must be a finite number within float32's range (|value| <= "
+                                 f"{FLOAT32_MAX:.4g}), the precision the memory computes in")
             setattr(self, name, float(value))
+        for name in ("max_lr", "max_memory_norm"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
+        if self.update_rule == "gradient" and self.max_lr > MAX_GRADIENT_RULE_LR:
+            raise ValueError(f"max_lr={self.max_lr!r}: update_rule='gradient' needs max_lr <= {MAX_GRADIENT_RULE_LR:g} "
+                             "(its step is clipped, so a larger theta changes nothing but the size of a surprise whose "
+                             "norm no longer fits float32: the write would vanish)")
         if self.write_cost < 0:
             raise ValueError(f"write_cost={self.write_cost!r} must be >= 0 (a weight on the loss)")
         if self.memory_layers is not None:
@@ -251,25 +281,59 @@ class TitansMemoryConfig:
         """The settings that shape the memory (every field but the base's)."""
         return tuple(f.name for f in dataclasses.fields(cls) if f.name not in cls.BASE_FIELDS)
 
+    @property
+    def memory_norm_bound(self) -> float | None:
+        """The Frobenius norm the delta rule rescales each head's fast weights to when a write leaves them above it:
+        `max_memory_norm`, or 4 * sqrt(`memory_head_dim`) when that is None; None for the gradient rule."""
+        if self.update_rule != "delta":
+            return None
+        return self.max_memory_norm or 4 * math.sqrt(self.memory_head_dim)
+
     def memory_settings(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.setting_names()}
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every field, and the format they are written in (`format_version`): what `memory_config.json` holds."""
+        return {"format_version": MEMORY_CONFIG_FORMAT_VERSION, **dataclasses.asdict(self)}
 
     @classmethod
     def from_dict(cls, values: Any, source: str = "memory config") -> "TitansMemoryConfig":
-        """Build from a dict of known settings only; anything else is a ValueError naming `source`."""
+        """Build from a dict of known settings only; anything else is a ValueError naming `source`.
+
+        Three kinds of dict: a saved config of the current format (`format_version`, as `to_dict` writes it) must
+        hold every field, so that nothing in it falls back to a default that could change its meaning; a saved config
+        from before formats were numbered (it carries `titans_hf_version` but no `format_version`) gets, for each
+        setting it lacks, the value memories had before that setting existed (`SETTINGS_BEFORE_THEY_EXISTED`), unless
+        it holds a setting that came with or after it (then it lost it, and is refused); any other dict holds
+        settings over the defaults (what `from_base(**settings)` passes)."""
         if not isinstance(values, dict):
             raise ValueError(f"{source}: expected a JSON object of memory settings, got {type(values).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
+        unknown = sorted(set(values) - known - {"format_version"})
         if unknown:
             raise ValueError(f"{source}: unknown memory setting(s) {unknown}; known: {sorted(known)}")
-        if "titans_hf_version" in values:
-            # a saved config (they carry the version) from before an option existed keeps what it was trained with
-            for name, before in (("attend_previous_chunk", False), ("update_rule", "gradient"), ("write_cost", 0.0)):
-                values = {name: before, **values}
+        values = dict(values)
+        if "format_version" in values:
+            version = values.pop("format_version")
+            if version != MEMORY_CONFIG_FORMAT_VERSION or isinstance(version, bool):
+                raise ValueError(f"{source}: format_version={version!r}; this titans_hf ({__version__}) reads memory "
+                                 f"configs of format {MEMORY_CONFIG_FORMAT_VERSION} (a newer titans_hf wrote it, or "
+                                 "the file was edited)")
+            missing = sorted(known - set(values))
+            if missing:
+                raise ValueError(f"{source}: {', '.join(missing)} missing: a memory config of format_version "
+                                 f"{version} holds every field, and a default in place of one may not be what the "
+                                 "memory was trained with (the file was edited or cut short)")
+        elif "titans_hf_version" in values:
+            for name, (before, later) in SETTINGS_BEFORE_THEY_EXISTED.items():
+                if name in values:
+                    continue
+                written_after = [setting for setting in later if setting in values]
+                if written_after:
+                    raise ValueError(f"{source}: {name} missing, though the file holds {', '.join(written_after)}, "
+                                     f"which came with or after it: the file lost it (a default in its place may not "
+                                     "be what the memory was trained with)")
+                values[name] = before
         try:
             return cls(**values)
         except (TypeError, ValueError) as error:

@@ -54,6 +54,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -465,6 +466,48 @@ class NeuralMemory(nn.Module):
         q = F.normalize(F.silu(q.view(q.shape[0], -1, H, d).transpose(1, 2)), dim=-1).expand(rows, -1, -1, -1)
         read = self.model(state.weights, q)
         return read.transpose(1, 2).reshape(rows, -1, inner).to(hidden.dtype)
+
+    def state_problem(self, state: MemoryState, batch_size: int) -> str | None:
+        """What keeps `state` from continuing this memory's stream for `batch_size` rows, as "<field>: expected ...,
+        got ...": the first field that is not what `init_state` makes for this memory (a list of one tensor per fast
+        weight; tensors of its shapes, the buffers holding ``position % chunk_size`` tokens, in the state dtype), a
+        `position` that is not a count of tokens, or a tensor holding NaN or inf; None when it can continue it.
+        Shapes and dtypes are read without touching the values; finiteness is one reduction per tensor and one
+        device sync for all of them."""
+        position = state.position
+        if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+            return f"position: expected the number of tokens seen (an integer >= 0), got {position!r}"
+        B, H, d, dtype = batch_size, self.num_heads, self.head_dim, self.state_dtype
+        held = position % self.chunk_size  # tokens of the unfinished update chunk
+        expected: list[tuple[str, Any, tuple[int, ...]]] = []
+        for name in _LIST_FIELDS:
+            tensors = getattr(state, name)
+            if not isinstance(tensors, (list, tuple)) or len(tensors) != len(self.model.shapes):
+                got = f"{len(tensors)} tensors" if isinstance(tensors, (list, tuple)) else f"a {type(tensors).__name__}"
+                return (f"{name}: expected a list of {len(self.model.shapes)} tensor(s), one per fast weight of this "
+                        f"memory ({self.memory_model}, depth {self.depth}), got {got}")
+            expected += [(f"{name}[{i}]", tensor, (B, H, d_in, d_out))
+                         for i, (tensor, (d_in, d_out)) in enumerate(zip(tensors, self.model.shapes))]
+        expected += [("conv_tail", state.conv_tail, (B, self.conv_kernel - 1, 3 * H * d)),
+                     ("buffer_keys", state.buffer_keys, (B, H, held, d)),
+                     ("buffer_values", state.buffer_values, (B, H, held, d)),
+                     ("buffer_lr", state.buffer_lr, (B, H, held)),
+                     ("buffer_gate_logits", state.buffer_gate_logits, (B, held, 2 * H)),
+                     ("buffer_mask", state.buffer_mask, (B, held))]
+        for label, tensor, shape in expected:
+            if not isinstance(tensor, Tensor) or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                got = (f"a {tensor.dtype} tensor of shape {tuple(tensor.shape)}" if isinstance(tensor, Tensor)
+                       else f"a {type(tensor).__name__}")
+                why = "" if not label.startswith("buffer_") else (
+                    f" (position {position} leaves {held} token(s) of an unfinished update chunk of {self.chunk_size})")
+                return f"{label}: expected a {dtype} tensor of shape {shape}{why}, got {got}"
+        present = [(label, tensor) for label, tensor, _ in expected if tensor.numel()]
+        device = present[0][1].device
+        finite = torch.stack([torch.isfinite(tensor).all().to(device) for _, tensor in present])
+        if not bool(finite.all()):
+            label = present[int((~finite).nonzero()[0])][0]
+            return f"{label}: expected finite values, got NaN or infinite ones (a stream that diverged)"
+        return None
 
     def token_inputs(self, hidden: Tensor, conv_tail: Tensor, mask: Tensor | None, real: Tensor
                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:

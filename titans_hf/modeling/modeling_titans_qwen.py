@@ -68,6 +68,18 @@ def _restarts_inside_rows(position_ids: Tensor, attention_mask: Tensor | None) -
     return bool(restarts.any())
 
 
+def cache_argument(cache: TitansCache | None, kwargs: dict[str, Any]) -> TitansCache | None:
+    """The stream to continue: `cache`, or `past_key_values` (popped from `kwargs`), the name transformers gave the
+    same argument before 5.24 and Qwen's own models still take; both at once is refused."""
+    if "past_key_values" not in kwargs:
+        return cache
+    past_key_values = kwargs.pop("past_key_values")
+    if cache is not None and past_key_values is not None and past_key_values is not cache:
+        raise ValueError("forward: cache and past_key_values were both given; they are one argument (transformers "
+                         "5.24 renamed past_key_values to cache): pass one of them")
+    return cache if cache is not None else past_key_values
+
+
 def refuse_output_attentions(output_attentions: bool | None, config: TitansQwenConfig) -> None:
     """Refuse `output_attentions=True` (by argument or, when not given, by the config), naming why."""
     if output_attentions if output_attentions is not None else config.output_attentions:
@@ -280,15 +292,26 @@ class TitansQwenModel(ChunkStreamsMixin, TitansQwenPreTrainedModel):
                 Only checked: positions restart at every chunk, and positions that restart inside a row (a packed,
                 padding-free batch, whose documents would share one memory) are refused.
             cache (`TitansCache`, *optional*, defaults to `None`):
-                A stream to continue; it is left after these tokens.
+                A stream to continue; it is left after these tokens. Taken under its name before transformers 5.24,
+                `past_key_values`, too. An input split over calls through one cache (`use_cache=True` on the first)
+                gives what the input in one call gives, wherever the splits fall and whatever the attention: the
+                cache holds the keys attention still sees (the previous chunk's with attend_previous_chunk) and the
+                memory's state.
             inputs_embeds (`torch.FloatTensor` of shape `(batch_size, tokens, hidden)`, *optional*, defaults to `None`):
                 The tokens' embeddings, in place of `input_ids`.
             use_cache (`bool`, *optional*, defaults to `None`):
                 Start a new `TitansCache` when `cache` is None.
             memory_states (`dict[int, MemoryState]`, *optional*, defaults to `None`):
-                One state per memory layer for the batch's rows (e.g. another stream's end, detached) to start from
-                instead of fresh states; the output's `memory_states` then holds the states the stream ends in. Not
-                with a cache (which holds its own) or rows left-padded off the chunk cycle.
+                A new input read with this memory: one state per memory layer for the batch's rows (e.g. another
+                stream's end, detached) for the memory to start from instead of fresh states; the output's
+                `memory_states` then holds the states the stream ends in. Only the memory carries over, attention
+                starts afresh: this input's first chunk sees no previous chunk. So with chunk-local attention
+                (attend_previous_chunk=False) an input split over calls this way reads as it does in one call, and
+                with attend_previous_chunk=True it does not (its first chunk misses the previous chunk's keys): to
+                continue a stream, pass `cache`. What TitansTrainer's State Passing does: a row starts from the
+                memory another row ended with. Each state must be what this model's memories make for the batch's
+                rows (shapes, dtypes, finite values; `NeuralMemory.state_problem`) at a chunk boundary. Not with a
+                cache (which holds its own) or rows left-padded off the chunk cycle.
             output_hidden_states (`bool`, *optional*, defaults to `None`):
                 Also return the embeddings and every layer's output over the whole input (the chunks' concatenated,
                 the memory's contribution included; the last one normed); None: the config's.
@@ -302,6 +325,7 @@ class TitansQwenModel(ChunkStreamsMixin, TitansQwenPreTrainedModel):
             `hidden_states` when asked for; `memory_states`; `lm_head_output`; `write_rate`.
         """
         refuse_output_attentions(kwargs.get("output_attentions"), self.config)
+        cache = cache_argument(cache, kwargs)
         packed = [key for key in PACKED_BATCH_KWARGS if kwargs.get(key) is not None]
         if packed or (position_ids is not None and _restarts_inside_rows(position_ids, attention_mask)):
             raise ValueError("TitansQwenForCausalLM reads each row as one stream through its memory: packed / "
@@ -391,16 +415,34 @@ class TitansQwenModel(ChunkStreamsMixin, TitansQwenPreTrainedModel):
             raise ValueError(f"forward: input_ids hold the id {low if low < 0 else high}, outside the vocabulary of "
                              f"{vocab_size} tokens (ids 0..{vocab_size - 1}): they come from another tokenizer")
 
-    def _check_memory_states(self, memory_states: dict[int, MemoryState], batch_size: int, cached: bool) -> None:
-        """Refuse given memory states that cannot start this stream, naming why."""
+    def _check_memory_states(self, memory_states: Any, batch_size: int, cached: bool) -> None:
+        """Refuse given memory states that cannot start this stream, in one line naming the layer, the field and
+        what was expected: a dict {memory layer: MemoryState} whose states are what this model's memories make
+        for `batch_size` rows (`NeuralMemory.state_problem`: shapes, dtypes, finite values), at a chunk boundary."""
         if cached:
             raise ValueError("forward: memory_states start a stream without a cache; a cache holds its own states")
-        if sorted(memory_states) != sorted(int(layer) for layer in self.memory):
-            raise ValueError(f"forward: memory_states must hold one state per memory layer "
-                             f"{sorted(int(layer) for layer in self.memory)}, got {sorted(memory_states)}")
-        if any(state.batch_size != batch_size or state.position % self.config.memory_config.chunk_size
-               for state in memory_states.values()):
-            raise ValueError(f"forward: memory_states must hold {batch_size} rows each, at a chunk boundary")
+        layers = sorted(int(layer) for layer in self.memory)
+        if not isinstance(memory_states, dict) or set(memory_states) != set(layers):
+            got = (f"a dict with keys {sorted(memory_states, key=repr)}" if isinstance(memory_states, dict)
+                   else f"a {type(memory_states).__name__}")
+            raise ValueError(f"forward: memory_states must be a dict with one MemoryState per memory layer {layers} "
+                             f"(e.g. an output's memory_states, or init_memory_states(batch_size)), got {got}")
+        chunk_size = self.config.memory_config.chunk_size
+        for layer in layers:
+            state, where = memory_states[layer], f"memory_states[{layer}]"
+            if not isinstance(state, MemoryState):
+                hint = " (MemoryState.from_state_dict makes one of a state_dict)" if isinstance(state, dict) else ""
+                raise ValueError(f"forward: {where} must be a MemoryState, got a {type(state).__name__}{hint}")
+            tail = state.conv_tail
+            if isinstance(tail, Tensor) and tail.dim() == 3 and tail.shape[0] != batch_size:
+                raise ValueError(f"forward: memory_states must hold {batch_size} rows each (one per input row); "
+                                 f"{where} holds {tail.shape[0]}")
+            problem = self.memory[str(layer)].neural_memory.state_problem(state, batch_size)
+            if problem is not None:
+                raise ValueError(f"forward: {where}.{problem}")
+            if state.position % chunk_size:
+                raise ValueError(f"forward: {where}.position is {state.position}: memory_states must be at a chunk "
+                                 f"boundary (a multiple of chunk_size {chunk_size})")
 
     def _warn_if_memory_frozen(self) -> None:
         """Say once, in a training forward, that nothing trains the memory: every one of its weights is frozen, as
@@ -703,7 +745,8 @@ class TitansQwenForCausalLM(CompletionScoringMixin, TitansLoadingMixin, TitansQw
             labels (`torch.LongTensor` of shape `(batch_size, tokens)`, *optional*, defaults to `None`):
                 Not shifted: position t predicts labels[t + 1], across chunk boundaries too; -100 labels nothing.
             cache (`TitansCache`, *optional*, defaults to `None`):
-                A stream to continue (what `generate` passes).
+                A stream to continue (what `generate` passes; `past_key_values`, its name before transformers 5.24,
+                is taken too): an input split over calls through one cache gives what it gives in one call.
             use_cache (`bool`, *optional*, defaults to `None`):
                 Start a new `TitansCache` when `cache` is None.
             num_items_in_batch (`int` or `torch.Tensor`, *optional*, defaults to `None`):
@@ -725,8 +768,9 @@ class TitansQwenForCausalLM(CompletionScoringMixin, TitansLoadingMixin, TitansQw
             output_hidden_states (`bool`, *optional*, defaults to `None`):
                 Return the embeddings and every layer's output over the whole input, as `TitansQwenModel` does.
             memory_states (`dict[int, MemoryState]`, *optional*, defaults to `None`):
-                States to start the stream from; the output's `memory_states` are those it ends in (see
-                `TitansQwenModel.forward`).
+                States for the memory to start this input from; the output's `memory_states` are those it ends in.
+                A new input read with a given memory, not the continuation of a stream where attention reaches the
+                previous chunk (that is `cache`; see `TitansQwenModel.forward`).
             completion_ids (`torch.LongTensor` of shape `(batch_size, group, tokens)`, *optional*, defaults to `None`):
                 Score these completions of the prompts `input_ids` / `attention_mask`: the output holds only
                 `completion_log_probs` [batch, group, tokens] (see `completion_log_probs`). The entry through which a
@@ -743,6 +787,7 @@ class TitansQwenForCausalLM(CompletionScoringMixin, TitansLoadingMixin, TitansQw
             only where the loss gains from it and the tokens between facts write little over them (docs/length.md).
         """
         refuse_output_attentions(kwargs.get("output_attentions"), self.config)
+        cache = cache_argument(cache, kwargs)
         if write_cost is not None and not write_cost >= 0:
             raise ValueError(f"forward: write_cost={write_cost!r} must be >= 0 (a weight on the loss)")
         if completion_ids is not None:

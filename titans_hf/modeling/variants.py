@@ -10,7 +10,6 @@ Adding a variant is a class here and a line in `MEMORY_VARIANTS`.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -52,8 +51,7 @@ class TitansMemoryBlock(nn.Module):
             forget_bias_init=memory.forget_bias_init,
             memory_model=memory.memory_model,
             update_rule=memory.update_rule,
-            max_memory_norm=(None if memory.update_rule != "delta"
-                             else memory.max_memory_norm or 4 * math.sqrt(memory.memory_head_dim)),
+            max_memory_norm=memory.memory_norm_bound,
         )
         self.output_weight = nn.Parameter(torch.zeros(hidden, memory.memory_num_heads * memory.memory_head_dim))
 
