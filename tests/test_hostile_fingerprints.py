@@ -1,10 +1,11 @@
 """Hostile input, the fingerprints: what tells a base or a tokenizer apart from another of the same shape.
 
-A local base is recorded by a fingerprint of every byte of its weights, its config and its tokenizer files, so a
-base with another tokenizer of the same size, or with a few edited embedding rows, is not the base a memory was
-trained on; a memory that recorded an earlier, sampled fingerprint still loads, with a warning that says what it
-covers, and is re-recorded in full when saved again. A token store that records no tokenizer fingerprint is refused
-as one that records another is.
+A local base is recorded by a fingerprint of every byte of its weights, its config, generation config, tokenizer
+files and chat templates, so a base with another tokenizer of the same size, another chat template or generation
+defaults, or with a few edited embedding rows, is not the base a memory was trained on, and a memory config that
+records no fingerprint for its local base is refused; a memory that recorded an earlier, sampled fingerprint still
+loads, with a warning that says what it covers, and is re-recorded in full when saved again. A token store that
+records no tokenizer fingerprint is refused as one that records another is.
 
 Each test checksums what it hands in and checks it is unchanged afterwards.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import shutil
 from pathlib import Path
 
@@ -85,6 +87,70 @@ def test_a_base_with_another_tokenizer_or_edited_embedding_rows_is_not_the_recor
     with pytest.raises(ValueError, match=rf"{memory}: its memory config names the local base {local_base}, but the "
                                          r"model there now is not the one the memory was trained on"):
         TitansQwenForCausalLM.from_pretrained(memory)
+    assert checksums(memory, local_base) == before
+
+
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+
+
+@pytest.mark.parametrize("change", ["chat template", "named chat template", "generation config"])
+def test_a_base_with_another_chat_template_or_generation_config_is_not_the_recorded_base(local_base, tmp_path, change):
+    """transformers reads the chat templates beside the tokenizer (chat_template.jinja, additional_chat_templates/)
+    and the generation defaults from generation_config.json: a base whose template or defaults changed after the
+    memory recorded it is refused, naming the base; the unchanged base loads."""
+    from transformers import GenerationConfig
+
+    (local_base / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    (local_base / "additional_chat_templates").mkdir()
+    (local_base / "additional_chat_templates" / "terse.jinja").write_text("{{ messages[-1]['content'] }}")
+    memory = memory_on(local_base, tmp_path / "memory")
+    TitansQwenForCausalLM.from_pretrained(memory)  # the base as recorded
+    tokenizer = AutoTokenizer.from_pretrained(local_base)
+    assert tokenizer.chat_template == {"default": CHAT_TEMPLATE, "terse": "{{ messages[-1]['content'] }}"}
+    if change == "chat template":
+        (local_base / "chat_template.jinja").write_text(CHAT_TEMPLATE.replace(": ", " says: "))
+        assert AutoTokenizer.from_pretrained(local_base).chat_template["default"] != CHAT_TEMPLATE
+    elif change == "named chat template":
+        (local_base / "additional_chat_templates" / "terse.jinja").write_text("{{ messages[0]['content'] }}")
+        assert AutoTokenizer.from_pretrained(local_base).chat_template["terse"] == "{{ messages[0]['content'] }}"
+    else:
+        path = local_base / "generation_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "max_new_tokens": 7}))
+        assert GenerationConfig.from_pretrained(local_base).max_new_tokens == 7
+    before = checksums(memory, local_base)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(memory))}: its memory config names the local base "
+                                         rf"{re.escape(str(local_base))}, but the model there now is not the one"):
+        TitansQwenForCausalLM.from_pretrained(memory)
+    assert checksums(memory, local_base) == before
+
+
+@pytest.mark.parametrize("removed", ["null", "deleted from a config of no format_version", "deleted"])
+def test_a_memory_config_without_the_fingerprint_of_its_local_base_is_refused_naming_file_and_field(local_base,
+                                                                                                   tmp_path, removed):
+    """from_base records a fingerprint for every local base; a config without one (null, or deleted from a config
+    whose missing fields take defaults) would load on any model of the same shape at that path, so it is refused,
+    naming memory_config.json and the field. (Deleted from a config of the current format, the field is refused as
+    missing when the config is read.) The base given explicitly still loads the memory."""
+    memory = memory_on(local_base, tmp_path / "memory")
+    config_path = memory / "memory_config.json"
+    config = json.loads(config_path.read_text())
+    assert len(config["base_fingerprint"]) == 64
+    if removed == "null":
+        config["base_fingerprint"] = None
+    else:
+        del config["base_fingerprint"]
+        if removed != "deleted":
+            config.pop("format_version", None)
+    config_path.write_text(json.dumps(config))
+    before = checksums(memory, local_base)
+    message = (rf"^{re.escape(str(config_path))}: .*base_fingerprint" if removed == "deleted" else
+               rf"^{re.escape(str(config_path))}: names the local base {re.escape(str(local_base))} but records no "
+               r"base_fingerprint, so nothing shows that the model there is the one the memory was trained on")
+    with pytest.raises(ValueError, match=message):
+        TitansQwenForCausalLM.from_pretrained(memory)
+    if removed != "deleted":
+        model = TitansQwenForCausalLM.from_base_and_memory(local_base, memory)
+        assert model.config.memory_config.base_fingerprint is None
     assert checksums(memory, local_base) == before
 
 

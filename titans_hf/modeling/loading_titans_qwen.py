@@ -253,7 +253,10 @@ class TitansLoadingMixin:
                         **kwargs: Any) -> TitansQwenForCausalLM:
         """A memory folder or Hub repository (its `memory_config.json` names the base, which is loaded first; see
         `from_base_and_memory` for the keyword arguments), or a full model saved with `save_full_model=True`, whose
-        tensors must all be finite once loaded (a ValueError names the file and the tensor), as a memory's are.
+        files must hold every tensor of the model (transformers would start a missing one at random: a ValueError
+        names the folder, the count and the first missing names) and whose tensors must all be finite once loaded (a
+        ValueError names the file and the tensor), as a memory's are. `output_loading_info=True` returns
+        `(model, loading_info)` as `PreTrainedModel.from_pretrained` does, for a full model.
 
         `AutoModelForCausalLM.from_pretrained` and `pipeline` arrive here through the folder's `config.json`; what
         they add (the config they read from it, their own markers, `trust_remote_code`) does not reach the base,
@@ -280,8 +283,16 @@ class TitansLoadingMixin:
                 header = {name: entry for header in headers.values() for name, entry in header.items()
                           if not name.startswith(BASE_PREFIXES)}
                 cls.check_memory_weights(config.memory_config, header, str(folder), check_dtype=False)
+        return_loading_info = kwargs.pop("output_loading_info", False)
+        model, loading_info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
+                                                      **kwargs)
+        missing = sorted(file_key(name) for name in loading_info["missing_keys"])
+        if missing:
+            raise ValueError(f"{pretrained_model_name_or_path}: its weight files lack {len(missing)} of the model's "
+                             f"tensors ({', '.join(missing[:5])}{', ...' * (len(missing) > 5)}), which would start "
+                             "at random; a full model folder holds every tensor of the base and the memory, as "
+                             "save_pretrained(save_full_model=True) writes it")
         # loading swaps in new Parameter objects, which forget the freeze applied in __init__
-        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         model._apply_freeze_base()
         # as a memory folder's weights are (load_memory_state_dict): one pass over the loaded tensors, no file read
         for name, tensor in model.state_dict().items():
@@ -289,7 +300,7 @@ class TitansLoadingMixin:
                 key = file_key(name)
                 raise ValueError(f"{files.get(key, pretrained_model_name_or_path)}: {key} holds NaN or infinite "
                                  "values; the model is broken (a diverged training run), not loaded")
-        return model
+        return (model, loading_info) if return_loading_info else model
 
     def memory_parameter_names(self) -> dict[str, str]:
         """{key in a memory folder: parameter name} of every memory parameter (memory blocks, persistent tokens),

@@ -4,9 +4,9 @@ A memory folder holds exactly
 
 - `memory_config.json`: a `TitansMemoryConfig`, every memory setting plus the base model it belongs to
   (Hub id and revision, or a local folder's absolute path and `base_fingerprint`, a hash of every byte of its
-  weights, config and tokenizer; its shape) and the titans_hf version that wrote it. A local base loads from that
-  folder only while the fingerprint still matches, so a memory never runs on another model of the same shape
-  without a word (`recorded_base`);
+  weights, config, generation config, tokenizer and chat templates; its shape) and the titans_hf version that wrote
+  it. A local base loads from that folder only while the fingerprint is recorded and still matches, so a memory
+  never runs on another model of the same shape without a word (`recorded_base`);
 - `memory_model.safetensors`: the memory's weights, nothing of the base;
 - `config.json`: the model's config (`model_type: titans_qwen`, the base's config and the memory settings), so that
   `AutoConfig` and `AutoModelForCausalLM` / `pipeline` dispatch to the model class, which then loads as above
@@ -17,6 +17,9 @@ A memory folder holds exactly
 
 Everything read from such a folder is data: only the known settings are read from the config, nothing in it
 chooses code to run or options for loading the base; safetensors headers are checked here before any tensor is read.
+A base folder is read only as far as its files are regular files of sizes they account for (`open_regular_file`,
+`base_fingerprint`): a FIFO, a device behind a link or a sparse file of a terabyte is refused, naming it, before it
+is read.
 """
 
 from __future__ import annotations
@@ -24,10 +27,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
+import stat
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import torch
 from huggingface_hub import _CACHED_NO_EXIST, hf_hub_download, is_offline_mode, try_to_load_from_cache
@@ -64,7 +70,17 @@ PICKLE_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # ids mean what they mean.
 TOKENIZER_FILE_NAMES = ("added_tokens.json", "merges.txt", "special_tokens_map.json", "tokenizer.json",
                         "tokenizer.model", "tokenizer_config.json", "vocab.json")
+# ... and these, which change what the base says and how it is prompted: its generation defaults, and the chat
+# templates transformers reads beside the tokenizer (the default one from chat_template.jinja, named ones from
+# additional_chat_templates/*.jinja). Spelled out here rather than taken from transformers: they define what a
+# recorded fingerprint covers, which must not move with a transformers upgrade.
+GENERATION_CONFIG_NAME = "generation_config.json"
+CHAT_TEMPLATE_NAME = "chat_template.jinja"
+CHAT_TEMPLATES_FOLDER = "additional_chat_templates"
 _FINGERPRINT_READ_BYTES = 8 << 20
+# The most bytes a base's config, tokenizer or chat template file may hold for its fingerprint to read it: far above
+# any real one (Qwen's tokenizer.json: 7 MB), far below a sparse file that claims a terabyte.
+_MAX_BASE_TEXT_FILE_BYTES = 1 << 30
 # The sampled fingerprints earlier releases recorded, still accepted at load with a warning (`recorded_base`): per
 # tensor its name, dtype, shape and blocks at the start, middle and end of its bytes; before that, blocks spread over
 # each file.
@@ -72,6 +88,10 @@ _SAMPLED_FINGERPRINT_TENSOR_BLOCK_BYTES = 1 << 12
 _LEGACY_FINGERPRINT_BLOCKS, _LEGACY_FINGERPRINT_BLOCK_BYTES = 16, 1 << 16
 # safetensors' own limit on a header's size
 _MAX_SAFETENSORS_HEADER_BYTES = 100_000_000
+# bits per element of every dtype safetensors defines: a tensor's byte range holds exactly its elements
+_SAFETENSORS_DTYPE_BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8,
+                           "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16,
+                           "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64}
 _TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                  "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
                  "BOOL": torch.bool}
@@ -100,27 +120,80 @@ def check_safetensors_folder(folder: str | os.PathLike, what: str) -> None:
                          "loads (they can run code); save the model with save_pretrained (safetensors) first")
 
 
+def open_regular_file(path: str | os.PathLike) -> BinaryIO:
+    """`path` opened for binary reading, if it is a regular file; a link to one counts (a Hugging Face cache snapshot
+    is links to blobs). Anything else is a ValueError naming it and what it is: a FIFO (whose `open` would wait for a
+    writer forever), a device such as /dev/zero behind a link (endless bytes; opening some devices acts on them), a
+    socket, a folder. Checked with `os.stat` before opening, and again with `os.fstat` on what was opened, which is
+    opened with O_NONBLOCK so that a FIFO put there in between cannot block the `open` either."""
+    path = Path(path)
+    _refuse_irregular(path, os.stat(path).st_mode)
+    descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        _refuse_irregular(path, os.fstat(descriptor).st_mode)
+        os.set_blocking(descriptor, True)
+        return os.fdopen(descriptor, "rb")
+    except BaseException:
+        os.close(descriptor)
+        raise
+
+
+def _refuse_irregular(path: Path, mode: int) -> None:
+    if stat.S_ISREG(mode):
+        return
+    kinds = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder"))
+    kind = next((name for test, name in kinds if test(mode)), "a special file")
+    link = f" (a link to {os.path.realpath(path)})" if path.is_symlink() else ""
+    raise ValueError(f"{path}: {kind}{link}, not a regular file; a model folder holds regular files only")
+
+
 def base_fingerprint(folder: str | os.PathLike) -> str:
-    """sha256 that tells two local base folders apart: every byte of its config.json, of the tokenizer files it has
-    (`TOKENIZER_FILE_NAMES`) and of its safetensors files, in that order (the safetensors files by name), each file
-    framed by its name and size, so that bytes moved from one file to the next, or a renamed file, change it too.
-    A base given another tokenizer of the same size, or fine-tuned in a few rows of one tensor, differs.
-    Recorded at `from_base`, compared at load (`recorded_base`, `base_matches_fingerprint`).
+    """sha256 that tells two local base folders apart: every byte of its config.json, generation_config.json, tokenizer
+    files (`TOKENIZER_FILE_NAMES`), chat_template.jinja, additional_chat_templates/*.jinja (by name) and safetensors
+    files (by name), in that order, where the folder has them, each file framed by its name (relative to the folder)
+    and size, so that bytes moved from one file to the next, or a renamed file, change it too. A base given another
+    tokenizer of the same size, another chat template or other generation defaults, or fine-tuned in a few rows of
+    one tensor, differs. Recorded at `from_base`, compared at load (`recorded_base`, `base_matches_fingerprint`).
+
+    Every file is opened and checked before any is hashed, and is then read only to the size checked: each must be
+    a regular file (`open_regular_file`), a safetensors file's header must account for every byte of it (tensor
+    ranges that tile the data to the file's end, each as long as its shape and dtype make it), any other file must
+    hold at most 1 GiB. Anything else is a ValueError naming the file: a FIFO, /dev/zero behind a link or a sparse
+    terabyte is refused at once, not read.
 
     Hashing every byte costs what sha256 costs, once per recording or load: on a 0.5B-size folder (995 MB: bf16
     weights and a 7 MB tokenizer.json) in the page cache, 1.5 s (650 MB/s, the speed of sha256 on that 2-core
     machine) against 10 ms for the sampled fingerprint it replaces (scripts/bench_fingerprint.py); loading the base
     reads the same bytes."""
     folder = Path(folder)
-    paths = [folder / name for name in ("config.json", *TOKENIZER_FILE_NAMES) if (folder / name).is_file()]
-    paths += sorted(folder.glob("*.safetensors"))
+    names = [name for name in ("config.json", GENERATION_CONFIG_NAME, *TOKENIZER_FILE_NAMES, CHAT_TEMPLATE_NAME)
+             if os.path.lexists(folder / name)]  # whatever the entry is: open_regular_file refuses all but files
+    templates = folder / CHAT_TEMPLATES_FOLDER
+    if templates.is_dir():
+        names += sorted(f"{CHAT_TEMPLATES_FOLDER}/{path.name}" for path in templates.glob("*.jinja"))
+    names += sorted(path.name for path in folder.glob("*.safetensors"))
     digest = hashlib.sha256()
     view = memoryview(bytearray(_FINGERPRINT_READ_BYTES))
-    for path in paths:
-        with open(path, "rb") as handle:
-            digest.update(json.dumps([path.name, os.fstat(handle.fileno()).st_size]).encode())
-            while count := handle.readinto(view):
+    with ExitStack() as stack:
+        files = []
+        for name in names:
+            path = folder / name
+            handle = stack.enter_context(open_regular_file(path))
+            size = os.fstat(handle.fileno()).st_size
+            if path.suffix == ".safetensors":
+                _safetensors_header(handle, size, path)
+                handle.seek(0)
+            elif size > _MAX_BASE_TEXT_FILE_BYTES:
+                raise ValueError(f"{path}: {size} bytes, more than a model's config, tokenizer or chat template file "
+                                 f"holds ({_MAX_BASE_TEXT_FILE_BYTES} at most); not read")
+            files.append((name, handle, size))
+        for name, handle, size in files:
+            digest.update(json.dumps([name, size]).encode())
+            left = size
+            while left and (count := handle.readinto(view[:min(left, len(view))])):
                 digest.update(view[:count])
+                left -= count
     return digest.hexdigest()
 
 
@@ -152,9 +225,9 @@ def _folder_fingerprint(folder: Path, file_blocks: Callable[[Path, Any, int], It
     config = folder / "config.json"
     digest.update(config.read_bytes() if config.is_file() else b"")
     for path in sorted(folder.glob("*.safetensors")):
-        size = path.stat().st_size
-        digest.update(f"{path.name}:{size}".encode())
-        with open(path, "rb") as handle:
+        with open_regular_file(path) as handle:
+            size = os.fstat(handle.fileno()).st_size
+            digest.update(f"{path.name}:{size}".encode())
             for block in file_blocks(path, handle, size):
                 digest.update(block)
     return digest.hexdigest()
@@ -162,8 +235,9 @@ def _folder_fingerprint(folder: Path, file_blocks: Callable[[Path, Any, int], It
 
 def _safetensors_header(handle: Any, size: int, path: Path) -> dict[str, Any]:
     """A safetensors file's header (tensor name: dtype, shape, data_offsets), checked against the file: its length,
-    each tensor's shape and byte range, and the ranges tiling the data exactly, as safetensors requires (two tensors
-    sharing bytes would alias one another's values); `handle` is left at the start of the data."""
+    each tensor's shape, dtype and byte range (as long as its shape and dtype make it), and the ranges tiling the data
+    exactly, as safetensors requires (two tensors sharing bytes would alias one another's values): the header
+    accounts for every byte of the file. `handle` is left at the start of the data."""
     length = int.from_bytes(handle.read(8), "little")
     if not 0 < length <= min(size - 8, _MAX_SAFETENSORS_HEADER_BYTES):
         raise ValueError(f"{path}: not a readable safetensors file (its header claims {length} bytes of a "
@@ -185,6 +259,12 @@ def _safetensors_header(handle: Any, size: int, path: Path) -> dict[str, Any]:
                     and offsets[0] <= offsets[1] <= data_size):
                 raise ValueError(f"tensor {name!r} lies outside the file (data_offsets {offsets!r}, {data_size} "
                                  "bytes of data)")
+            if entry["dtype"] not in _SAFETENSORS_DTYPE_BITS:
+                raise ValueError(f"tensor {name!r} has dtype {entry['dtype']!r}, which safetensors does not define")
+            if math.prod(shape) * _SAFETENSORS_DTYPE_BITS[entry["dtype"]] != 8 * (offsets[1] - offsets[0]):
+                raise ValueError(f"tensor {name!r} of dtype {entry['dtype']} and shape {shape} spans "
+                                 f"{offsets[1] - offsets[0]} bytes (data_offsets {offsets!r}), not the bytes its "
+                                 "elements take")
             ranges.append((*offsets, name))
         end, previous = 0, None
         for begin, stop, name in sorted(ranges):
@@ -240,6 +320,11 @@ def recorded_base(config: TitansMemoryConfig, source: str) -> str:
     model would be used silently); a relative path that exists here (recorded by an older version, or a Hub id
     shadowed by a local folder) is refused, since it resolves to whatever folder lies at it from here.
 
+    A local base whose config records no fingerprint is refused, naming the memory's memory_config.json and the
+    field: `from_base` records one for every local base, so a config without one was edited, and would load on any
+    model of the same shape found at that path. A Hub base is pinned by its id and the revision recorded (none: the
+    default branch, as `from_base` was given it); no fingerprint applies to it.
+
     A memory saved by an earlier release recorded a sampled fingerprint (blocks of each tensor or file), which a
     base with another tokenizer, or with rows edited between the samples, still matches. Such a memory loads when
     the base matches the samples, with a warning that says what they cover, and `config` is given the base's full
@@ -260,18 +345,23 @@ def recorded_base(config: TitansMemoryConfig, source: str) -> str:
     if not path.is_dir():
         raise ValueError(f"{source}: its memory config names the local base {base}, which does not exist on this "
                          "machine; pass the base explicitly")
-    if config.base_fingerprint is not None:
-        current = _base_fingerprint_match(path, config.base_fingerprint)
-        if current is None:
-            raise ValueError(f"{source}: its memory config names the local base {base}, but the model there now is not "
-                             "the one the memory was trained on (base_fingerprint differs: other weights, config or "
-                             "tokenizer); pass the base explicitly if this is intended")
-        if current != config.base_fingerprint:
-            logger.warning("%s: its memory config records a base_fingerprint of an earlier titans_hf, which covers "
-                           "samples of the base's weights only, not every byte; the base %s matches them and is "
-                           "used. The model loaded records the base's full fingerprint: save the memory again "
-                           "(save_pretrained) to keep it", source, base)
-            config.base_fingerprint = current
+    if config.base_fingerprint is None:
+        raise ValueError(f"{Path(source) / MEMORY_CONFIG_NAME}: names the local base {base} but records no "
+                         "base_fingerprint, so nothing shows that the model there is the one the memory was trained "
+                         "on (from_base records it for every local base); pass the base explicitly (--model BASE "
+                         "--memory MEMORY, or from_base_and_memory(base, memory)) if it is")
+    current = _base_fingerprint_match(path, config.base_fingerprint)
+    if current is None:
+        raise ValueError(f"{source}: its memory config names the local base {base}, but the model there now is not "
+                         "the one the memory was trained on (base_fingerprint differs: other weights, config, "
+                         "generation config, tokenizer or chat template); pass the base explicitly if this is "
+                         "intended")
+    if current != config.base_fingerprint:
+        logger.warning("%s: its memory config records a base_fingerprint of an earlier titans_hf, which covers "
+                       "samples of the base's weights only, not every byte; the base %s matches them and is "
+                       "used. The model loaded records the base's full fingerprint: save the memory again "
+                       "(save_pretrained) to keep it", source, base)
+        config.base_fingerprint = current
     return base
 
 
@@ -412,11 +502,12 @@ def load_memory_weights(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def read_safetensors_header(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], Any]]:
-    """{name: (shape, torch dtype)} of a safetensors file, from its header alone (no tensor data is read). The
-    header is checked against the file here, whatever the installed safetensors checks: its length, every tensor's
-    byte range inside the data, and no two tensors sharing bytes; any problem is a ValueError naming the file."""
+    """{name: (shape, torch dtype)} of a safetensors file, from its header alone (no tensor data is read). The file
+    must be a regular file (`open_regular_file`), and its header is checked against it here, whatever the installed
+    safetensors checks: its length, every tensor's byte range inside the data and as long as its shape and dtype make
+    it, and no two tensors sharing bytes; any problem is a ValueError naming the file."""
     try:
-        with open(path, "rb") as handle:
+        with open_regular_file(path) as handle:
             _safetensors_header(handle, os.fstat(handle.fileno()).st_size, Path(path))
     except OSError as error:
         raise ValueError(f"{path}: not a readable safetensors file ({error})") from error
