@@ -315,3 +315,16 @@ def test_eager_attention_runs_and_equals_sdpa(tiny_qwen3_dir, monkeypatch):
     real = mask.bool()
     torch.testing.assert_close(outputs["eager"][0][real], outputs["sdpa"][0][real], atol=1e-5, rtol=1e-5)
     assert torch.equal(outputs["eager"][1], outputs["sdpa"][1])
+
+
+def test_the_auto_classes_pass_attn_implementation_to_the_base(tiny_qwen3_dir, tmp_path):
+    """`AutoModelForCausalLM.from_pretrained(memory_folder, attn_implementation="eager")` puts the setting on the
+    config it hands over; the memory folder's base loads with it, and without it keeps the default (SDPA)."""
+    from transformers import AutoModelForCausalLM
+
+    TitansQwenForCausalLM.from_base(tiny_qwen3_dir, **SMALL_MEMORY).save_pretrained(tmp_path / "memory")
+    eager = AutoModelForCausalLM.from_pretrained(tmp_path / "memory", attn_implementation="eager")
+    default = AutoModelForCausalLM.from_pretrained(tmp_path / "memory")
+    assert eager.config._attn_implementation == "eager"
+    assert eager.model.layers[0].self_attn.config._attn_implementation == "eager"
+    assert default.model.layers[0].self_attn.config._attn_implementation == "sdpa"

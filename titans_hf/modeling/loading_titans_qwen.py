@@ -267,6 +267,9 @@ class TitansLoadingMixin:
             if config is not None and not isinstance(config, TitansQwenConfig):
                 raise ValueError(f"from_pretrained: config must be a TitansQwenConfig for a memory, got "
                                  f"{type(config).__name__}")
+            if config is not None and config._attn_implementation_internal is not None:
+                # the Auto classes put the caller's attn_implementation on the config they pass
+                kwargs.setdefault("attn_implementation", config._attn_implementation_internal)
             for key in AUTO_KWARGS:
                 kwargs.pop(key, None)
             return cls.from_base_and_memory(None, pretrained_model_name_or_path, **kwargs)
