@@ -93,7 +93,7 @@ def test_a_lock_replaced_during_the_run_is_not_removed_at_its_end(tiny_qwen3_dir
 
 def test_overwriting_a_whole_folder_keeps_a_users_file_named_like_the_manifest_in_a_subfolder(tmp_path):
     folder = tmp_path / "demo"
-    with writing_folder(folder, overwrite=False, command="titans-hf demo") as output:
+    with writing_folder(folder, overwrite=False, command="titans-hf demo", outputs=["memory"]) as output:
         (output / "memory").mkdir()
         (output / "memory" / "weights.bin").write_bytes(b"weights")
     (folder / "memory" / MANIFEST_NAME).write_text("my notes, whatever their name\n")
@@ -101,7 +101,7 @@ def test_overwriting_a_whole_folder_keeps_a_users_file_named_like_the_manifest_i
     message = rf"will not replace it, even with --overwrite: it holds files titans_hf did not write: \['memory/" \
               rf"{MANIFEST_NAME.replace('.', '[.]')}'\]"
     with pytest.raises(FileExistsError, match=message):
-        with writing_folder(folder, overwrite=True, command="titans-hf demo"):
+        with writing_folder(folder, overwrite=True, command="titans-hf demo", outputs=["memory"]):
             raise AssertionError("refused before the block runs")
     assert checksums(folder) == before
 
@@ -220,7 +220,7 @@ def test_names_of_up_to_255_bytes_are_written_and_replaced(tmp_path, tiny_tokeni
 
     folder = tmp_path / ("d" * 255)
     for overwrite in (False, True):
-        with writing_folder(folder, overwrite=overwrite, command="titans-hf demo") as output:
+        with writing_folder(folder, overwrite=overwrite, command="titans-hf demo", outputs=["run.json"]) as output:
             (output / "run.json").write_text(str(overwrite))
     assert (folder / "run.json").read_text() == "True"
 

@@ -65,25 +65,26 @@ def test_a_folder_the_tool_wrote_is_replaceable_until_someone_adds_or_edits_a_fi
 
 
 def test_a_folder_written_in_place_replaces_only_its_own_kind_and_a_failure_puts_the_old_one_back(tmp_path):
+    outputs = ["memory", "half.txt", "second.txt"]
     folder = tmp_path / "demo"
-    with writing_folder(folder, overwrite=False, command="titans-hf demo") as output:
+    with writing_folder(folder, overwrite=False, command="titans-hf demo", outputs=outputs) as output:
         (output / "memory").mkdir()
         (output / "memory" / "weights.bin").write_bytes(b"first")
     first = checksums(folder)
     assert json.loads((folder / MANIFEST_NAME).read_text())["whole"] == {"command": "titans-hf demo"}
     with pytest.raises(FileExistsError, match=r"demo exists; pass --overwrite"):
-        with writing_folder(folder, overwrite=False, command="titans-hf demo"):
+        with writing_folder(folder, overwrite=False, command="titans-hf demo", outputs=outputs):
             raise AssertionError("refused before the block runs")
 
     with pytest.raises(RuntimeError, match="cut short"):
-        with writing_folder(folder, overwrite=True, command="titans-hf demo") as output:
+        with writing_folder(folder, overwrite=True, command="titans-hf demo", outputs=outputs) as output:
             assert not (output / "memory").exists()  # the old folder is set aside, the new one starts empty
             (output / "half.txt").write_text("half")
             raise RuntimeError("cut short")
     assert checksums(folder) == first  # the failed run left the earlier folder as it was
     assert sorted(path.name for path in tmp_path.iterdir()) == ["demo"]
 
-    with writing_folder(folder, overwrite=True, command="titans-hf demo") as output:
+    with writing_folder(folder, overwrite=True, command="titans-hf demo", outputs=outputs) as output:
         (output / "second.txt").write_text("second")
     assert sorted(checksums(folder)) == [MANIFEST_NAME, "second.txt"]
     assert sorted(path.name for path in tmp_path.iterdir()) == ["demo"]
@@ -91,7 +92,7 @@ def test_a_folder_written_in_place_replaces_only_its_own_kind_and_a_failure_puts
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(RuntimeError):
-        with writing_folder(empty, overwrite=False, command="titans-hf demo") as output:
+        with writing_folder(empty, overwrite=False, command="titans-hf demo", outputs=outputs) as output:
             (output / "half.txt").write_text("half")
             raise RuntimeError("cut short")
     assert empty.is_dir() and not any(empty.iterdir())

@@ -2,6 +2,7 @@
 lengths (left-padded by lm-eval for generation) that answer every request as it is answered alone."""
 
 import json
+import re
 
 import pytest
 from transformers import AutoTokenizer
@@ -105,6 +106,7 @@ def test_lm_eval_keeps_a_users_results_file_even_with_overwrite(tmp_path, tiny_q
     (["--limit", "nan"], r"--limit nan: must be a count of documents"),
     (["--limit", "inf"], r"--limit inf: must be a count of documents"),
     (["--limit", "2.5"], r"--limit 2\.5: must be a count of documents"),
+    (["--limit", "1e308"], r"--limit 1e\+308: a count of documents must be at most 9223372036854775807$"),
     (["--seed", "-1"], r"--seed -1: must be in \[0, 4294967295\]"),
     (["--num-fewshot", "6"], r"--num-fewshot 6: task tiny_ll has 5 few-shot examples to draw from"),
 ])
@@ -128,3 +130,44 @@ def test_lm_eval_takes_every_shot_a_task_has_and_a_whole_limit(tmp_path, tiny_qw
     results = json.loads((tmp_path / "out" / "lm_eval_results.json").read_text())
     assert results["n-shot"]["tiny_ll"] == 5
     assert len(results["samples"]["tiny_ll"]) == 2
+
+
+def test_lm_eval_names_an_include_path_that_is_not_a_folder_of_tasks(tmp_path, tiny_qwen3_dir, tasks):
+    """A missing --include-path, a file, and a folder without task YAML files: one line naming the flag, before lm-eval
+    builds its task index or the model loads (lm-eval would say only that no task of that name exists)."""
+    (tmp_path / "empty").mkdir()
+    output = tmp_path / "out"
+    for path, problem in ((tmp_path / "missing", "no such folder"),
+                          (tasks / "tiny_ll.yaml", "a file, not a folder of task YAML files"),
+                          (tmp_path / "empty", r"holds no task YAML files \(\*\.yaml\)")):
+        with pytest.raises(ValueError, match=rf"^--include-path {re.escape(str(path))}: {problem}$"):
+            cli_main(["lm-eval", "--model", str(tiny_qwen3_dir), "--tasks", "tiny_ll", "--include-path", str(path),
+                      "--output", str(output)])
+    assert not output.exists()
+
+
+@pytest.fixture
+def own_tasks_only(monkeypatch):
+    """lm-eval's TaskManager without its built-in tasks (an index of thousands, which takes seconds to build): the
+    tasks of --include-path are all it knows."""
+    import lm_eval.tasks
+
+    task_manager = lm_eval.tasks.TaskManager
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda **kwargs: task_manager(include_defaults=False, **kwargs))
+
+
+def test_lm_eval_expands_task_patterns_and_refuses_one_matching_every_task(tmp_path, tiny_qwen3_dir, tasks,
+                                                                          own_tasks_only):
+    """--tasks takes glob patterns as lm-eval's own command does (lm-eval's simple_evaluate takes names only); a
+    pattern matching every task lm-eval knows, '*', is refused naming the flag before the model loads."""
+    (tasks / "other_ll.yaml").write_text((tasks / "tiny_ll.yaml").read_text().replace("tiny_ll", "other_ll"))
+    folder = tmp_path / "memory"
+    build(tiny_qwen3_dir, **VARIANT_SETTINGS["mag"]).save_pretrained(folder)
+    argv = ["lm-eval", "--model", str(folder), "--include-path", str(tasks), "--limit", "1"]
+    for pattern in ("*", "*_*"):
+        with pytest.raises(ValueError, match=rf"^--tasks {re.escape(pattern)}: matches every one of the 3 tasks"):
+            cli_main([*argv, "--tasks", pattern, "tiny_ll", "--output", str(tmp_path / "every")])
+    assert not (tmp_path / "every").exists()
+    assert cli_main([*argv, "--tasks", "tiny_*", "--output", str(tmp_path / "out")]) == 0
+    results = json.loads((tmp_path / "out" / "lm_eval_results.json").read_text())
+    assert set(results["results"]) == {"tiny_ll", "tiny_gen"}

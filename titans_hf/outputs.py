@@ -3,10 +3,11 @@
 The rule for outputs, everywhere: an existing output is replaced only with `overwrite` (`--overwrite`), and even
 then only when this tool wrote it. What it wrote is recorded in a manifest, `.titans_hf_outputs.json`, in the
 output's folder (`MANIFEST_FORMAT`): the inode of the folder it was written in, {name: {"command", "sha256",
-"inode"}} per file, and {"whole": {"command"}} for a folder this tool wrote whole (a stand-in base). A manifest
-vouches only for its own folder and what this tool created there: one that came with a copied folder (another
-folder inode), an entry naming a path outside the folder or (unless the folder was written whole) in a subfolder,
-and a file that is a link, another file (another inode) or other bytes (another sha256) vouch for nothing. Inodes
+"inode"}} per file, and {"whole": {"command"}} for a folder this tool wrote (whole, as a stand-in base, or its
+outputs in place, as the demo's, where a user's file may lie beside them). A manifest vouches only for its own
+folder and what this tool created there: one that came with a copied folder (another folder inode), an entry naming
+a path outside the folder or (unless this tool wrote the folder) in a subfolder, and a file that is a link, another
+file (another inode) or other bytes (another sha256) vouch for nothing. Inodes
 and not device numbers: a copy always gets new inodes, while a device number may change when a file system is
 mounted again (overlay, LVM, NFS). A file not vouched for belongs to the user and is never replaced; file names (a
 `config.json`, a `results.json`) prove nothing. Token stores are recognised by their exact layout instead
@@ -229,38 +230,102 @@ def _check_replaceable(path: Path, overwrite: bool, problem_of: Callable[[Path],
                               "yourself or choose another output")
 
 
-@contextlib.contextmanager
-def writing_folder(folder: str | os.PathLike, overwrite: bool, command: str) -> Iterator[Path]:
-    """The folder `command` writes whole, written in place (for outputs that record their own absolute paths, which
-    a rename from a temporary name would break).
+def _files_below(path: Path) -> list[Path]:
+    """The files at or under `path` (a file, a folder, or nothing)."""
+    if path.is_dir() and not path.is_symlink():
+        return sorted(below for below in path.rglob("*") if below.is_file())
+    return [path] if path.is_file() else []
 
-    An absent or empty folder is used as it is. An existing one needs `overwrite` and must be one this tool wrote
-    whole (`check_folder_output`); it is set aside under a hidden name until the new one is complete. When the block
-    ends the folder is recorded whole (`record_folder`) and the old one deleted; when it raises, what it wrote is
-    deleted and the old folder put back: the command leaves all of its outputs or none.
+
+def _replaceable_outputs_problem(folder: str | os.PathLike, outputs: Sequence[str]) -> str | None:
+    """None when a command that writes `outputs` (names of files and subfolders) into `folder` may do so in place of
+    what an earlier run of this tool wrote there: the folder's manifest says this tool wrote it, every output of the
+    earlier run in it (each file or subfolder its manifest lists) is still exactly what it wrote, and none of
+    `outputs` is someone else's. Files beside them (a user's) are no reason: they are left alone. Else why not."""
+    folder = Path(folder)
+    if folder.is_symlink():
+        return "it is a symbolic link"
+    if not folder.is_dir():
+        return "it is not a folder"
+    manifest = read_manifest(folder)
+    if manifest["whole"] is None:
+        return f"it holds no {MANIFEST_NAME} saying titans_hf wrote the folder"
+    listed = manifest["files"]
+    earlier = {name.split("/")[0] for name in listed}
+    for name in sorted(earlier | set(outputs)):
+        path = folder / name
+        if not (path.exists() or path.is_symlink()):
+            continue
+        if name not in earlier:
+            return f"{path} is not an output titans_hf wrote there"
+        if path.is_symlink() or not (path.is_file() or path.is_dir()):
+            return f"{path} is not a plain file or folder"
+        present = []
+        for below in [path, *(path.rglob("*") if path.is_dir() else ())]:
+            if below.is_symlink() or not (below.is_file() or below.is_dir()):
+                return f"{below} is not a plain file or folder"
+            if below.is_file():
+                present.append(below.relative_to(folder).as_posix())
+        unlisted = [relative for relative in present if relative not in listed]
+        if unlisted:
+            return f"it holds files titans_hf did not write: {unlisted[:5]}"
+        changed = [relative for relative in present if not _vouched(folder / relative, listed[relative])]
+        if changed:
+            return f"files changed since titans_hf wrote them: {changed[:5]}"
+    return None
+
+
+@contextlib.contextmanager
+def writing_folder(folder: str | os.PathLike, overwrite: bool, command: str, *,
+                   outputs: Sequence[str]) -> Iterator[Path]:
+    """The folder `command` writes its `outputs` into, in place (for outputs that record their own absolute paths,
+    which a rename from a temporary name would break). `outputs` are the names of the files and subfolders it writes
+    there, each written whole: they are the command's, and nothing else in the folder is.
+
+    An absent or empty folder is used as it is. An existing one needs `overwrite` and must be one this tool wrote,
+    its earlier outputs as they were written and none of `outputs` someone else's (`_replaceable_outputs_problem`);
+    the earlier outputs and their manifest are set aside under hidden names until the block ends. When it ends, the
+    files under `outputs` are recorded (`command` wrote the folder, and these files) and the earlier outputs deleted;
+    when it raises, the outputs it wrote go and the earlier ones come back: the command leaves all of its outputs or
+    none. Anything else in the folder, such as a file a user put there while the command ran, is left as it is and
+    never recorded, so a later `overwrite` keeps it too.
     """
     folder = Path(folder)
-    was_empty = folder.is_dir() and not folder.is_symlink() and not any(folder.iterdir())
-    aside = None
-    if was_empty:
-        check_can_create(folder / MANIFEST_NAME)
-    else:
-        check_folder_output(folder, overwrite)
-        if folder.exists():
-            aside = hidden_sibling(folder, "replaced")
-            os.replace(folder, aside)
+    for name in outputs:
+        if not name or "/" in name or name in (".", "..", MANIFEST_NAME):
+            raise ValueError(f"writing_folder: output {name!r} must be the name of a file or folder in {folder}")
+    created = not (folder.exists() or folder.is_symlink())
+    earlier: list[str] = []
+    if not created and not (folder.is_dir() and not folder.is_symlink() and not any(folder.iterdir())):
+        _check_replaceable(folder, overwrite, lambda path: _replaceable_outputs_problem(path, outputs))
+        earlier = sorted({name.split("/")[0] for name in read_manifest(folder)["files"]})
+    check_can_create(folder / MANIFEST_NAME)
+    folder.mkdir(parents=True, exist_ok=True)
+    set_aside: dict[Path, Path] = {}
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        yield folder
-        record_folder(folder, command)
+        for path in (folder / name for name in [*earlier, MANIFEST_NAME]):
+            if path.exists() or path.is_symlink():
+                aside = hidden_sibling(path, "replaced")
+                os.replace(path, aside)
+                set_aside[path] = aside
     except BaseException:
-        remove_path(folder)
-        if aside is not None:
-            os.replace(aside, folder)
-        elif was_empty:
-            folder.mkdir()
+        for path, aside in set_aside.items():
+            os.replace(aside, path)
         raise
-    if aside is not None:
+    try:
+        yield folder
+        written = [below for name in outputs for below in _files_below(folder / name)]
+        _write_manifest(folder, {"command": command}, {path.relative_to(folder).as_posix(): _record_of(path, command)
+                                                       for path in written})
+    except BaseException:
+        for name in [*outputs, MANIFEST_NAME]:
+            remove_path(folder / name)
+        for path, aside in set_aside.items():
+            os.replace(aside, path)
+        if created and not any(folder.iterdir()):
+            folder.rmdir()
+        raise
+    for aside in set_aside.values():
         remove_path(aside)
 
 

@@ -22,9 +22,10 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", default=None, type=local_or_hub,
                         help="a pretrained Qwen2/Qwen3 (local folder or Hub id) used as the frozen base; skips stage a")
     parser.add_argument("--output-dir", default="outputs/demo",
-                        help="the folder the demo writes whole (base, data, memory, results, plots)")
+                        help="the folder the demo writes its outputs into (base, data, memory, results, plots)")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace the folder an earlier demo wrote there (never a folder it did not write whole)")
+                        help="replace the outputs an earlier demo wrote there (files of yours beside them stay; a "
+                             "folder titans_hf did not write is never written into)")
     parser.add_argument("--task", default="qa1", choices=GENERATED_TASKS)
     parser.add_argument("--chunk-size", type=length, default=32, help="attention segment in tokens")
     parser.add_argument("--train-chunks", type=int, nargs="+", default=[0, 4, 8, 16, 32],

@@ -45,7 +45,12 @@ from titans_hf.tasks.babilong import (
     random_question,
     write_babilong_json,
 )
-from titans_hf.tasks.babilong.evaluation import DISTANCE_PLOT_NAME, evaluate_babilong, load_model_for_eval
+from titans_hf.tasks.babilong.evaluation import (
+    DISTANCE_PLOT_NAME,
+    OUTPUT_NAMES as EVALUATION_OUTPUT_NAMES,
+    evaluate_babilong,
+    load_model_for_eval,
+)
 from titans_hf.testing_utils import build_qwen, build_tokenizer, mean_embedding_cosine, pretrain_causal_lm
 from titans_hf.training.recipe import (
     DataArguments,
@@ -305,7 +310,8 @@ def run_demo(
     see `TitansTrainingArguments`). Evaluation
     rows come from other generator seeds than training rows. `memory_settings` override `MEMORY_SETTINGS` (and the
     TitansQwenConfig defaults: variant, memory_layers, ...). Everything goes into `output_dir`, which must be absent,
-    empty, or (with `overwrite`) a folder an earlier demo wrote whole; a run that fails leaves what was there.
+    empty, or (with `overwrite`) a folder an earlier demo wrote, whose outputs it replaces; a run that fails leaves
+    what was there. Files of the user's beside the outputs are left alone and not recorded as the demo's.
     """
     started = time.time()
     if threads is not None:
@@ -315,8 +321,10 @@ def run_demo(
     if min(train_chunks) < 0 or min(eval_chunks) < 1:
         raise ValueError(f"run_demo: train_chunks {train_chunks} must be >= 0 and eval_chunks {eval_chunks} >= 1")
     # written in place (the memory records its base's absolute path), checked before any work: an earlier demo's
-    # folder is replaced only with `overwrite`, a user's folder never; a failed run leaves the old folder
-    with writing_folder(output_dir, overwrite, "titans-hf demo") as output:
+    # outputs are replaced only with `overwrite`, a user's folder or file never; a failed run leaves the old outputs
+    outputs = ((BASE_DIR_NAME,) if model is None else ()) + (DATA_DIR_NAME, MEMORY_DIR_NAME, LOSS_PLOT_NAME,
+                                                             RUN_INFO_NAME, *EVALUATION_OUTPUT_NAMES)
+    with writing_folder(output_dir, overwrite, "titans-hf demo", outputs=outputs) as output:
         base_dir, data_dir, memory_dir = output / BASE_DIR_NAME, output / DATA_DIR_NAME, output / MEMORY_DIR_NAME
         set_seed(seed)
         timings: dict[str, float] = {}

@@ -7,6 +7,8 @@ import argparse
 import contextlib
 import json
 import math
+import sys
+from pathlib import Path
 from typing import Any
 
 from titans_hf.files import atomic_write_json
@@ -51,8 +53,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 
 
 def _check_arguments(args: argparse.Namespace) -> None:
-    """The counts lm-eval would take silently (a negative batch or number of shots) or fail on in its own words (a
-    limit of 0, NaN or 2.5, a negative seed), each refused naming its flag, before anything loads."""
+    """The flags lm-eval would take silently (a negative batch or number of shots, a missing --include-path) or fail
+    on in its own words, after the model has loaded (a limit of 0, NaN, 2.5 or 1e308, a negative seed), each refused
+    naming its flag, before anything loads."""
     if args.batch_size < 1:
         raise ValueError(f"--batch-size {args.batch_size}: must be at least 1")
     if args.num_fewshot is not None and args.num_fewshot < 0:
@@ -60,17 +63,43 @@ def _check_arguments(args: argparse.Namespace) -> None:
     limit = args.limit
     if limit is not None and not (0 < limit < 1 or (math.isfinite(limit) and limit >= 1 and limit.is_integer())):
         raise ValueError(f"--limit {limit}: must be a count of documents (1, 2, ...) or a fraction in (0, 1)")
+    if limit is not None and limit > sys.maxsize:  # lm-eval slices the documents with it
+        raise ValueError(f"--limit {limit}: a count of documents must be at most {sys.maxsize}")
     if not 0 <= args.seed <= MAX_SEED:
         raise ValueError(f"--seed {args.seed}: must be in [0, {MAX_SEED}]")
+    if args.include_path is not None:
+        folder = Path(args.include_path)
+        if not folder.exists():
+            raise ValueError(f"--include-path {folder}: no such folder")
+        if not folder.is_dir():
+            raise ValueError(f"--include-path {folder}: a file, not a folder of task YAML files")
+        if next(folder.rglob("*.yaml"), None) is None:  # where lm-eval looks for them
+            raise ValueError(f"--include-path {folder}: holds no task YAML files (*.yaml)")
 
 
-def _check_fewshot(task_manager: Any, args: argparse.Namespace) -> None:
+def _task_names(task_manager: Any, patterns: list[str], include_path: str | None) -> list[str]:
+    """The lm-eval tasks and groups `patterns` (names or glob patterns) name, expanded as lm-eval's own command does;
+    a name that matches nothing, and a pattern that matches every task lm-eval knows, are refused naming --tasks."""
+    matches = {pattern: task_manager.match_tasks([pattern]) for pattern in patterns}
+    unknown = [pattern for pattern, names in matches.items() if not names]
+    if unknown:
+        raise ValueError(f"titans-hf lm-eval: no lm-eval task or group is called {unknown}"
+                         + ("" if include_path else " (your own tasks' folder goes to --include-path)"))
+    known = len(task_manager.all_tasks)
+    for pattern, names in matches.items():
+        if len(names) == known:
+            raise ValueError(f"--tasks {pattern}: matches every one of the {known} tasks, groups and tags lm-eval "
+                             "knows; name the tasks to run, or a pattern that picks them (e.g. 'mmlu_*')")
+    return list(dict.fromkeys(name for names in matches.values() for name in names))
+
+
+def _check_fewshot(task_manager: Any, task_names: list[str], args: argparse.Namespace) -> None:
     """Refuse --num-fewshot above what a task can draw (lm-eval would stop mid-run, "Sample larger than population"):
     its few-shot documents, less the document asked about when they are its own evaluation split. A task whose
     configuration fixes 0 shots keeps them (lm-eval ignores --num-fewshot there)."""
     if not args.num_fewshot:
         return
-    for name, task in task_manager.load(args.tasks)["tasks"].items():
+    for name, task in task_manager.load(task_names)["tasks"].items():
         if task.get_config("num_fewshot") == 0:
             continue
         docs = task.fewshot_docs()
@@ -95,17 +124,14 @@ def lm_eval_command(args: argparse.Namespace) -> int:
     from titans_hf.tasks.babilong.evaluation import load_model_for_eval
 
     task_manager = TaskManager(include_path=args.include_path)
-    unknown = [name for name in args.tasks if not task_manager.match_tasks([name])]
-    if unknown:
-        raise ValueError(f"titans-hf lm-eval: no lm-eval task or group is called {unknown}"
-                         + ("" if args.include_path else " (your own tasks' folder goes to --include-path)"))
-    _check_fewshot(task_manager, args)
+    task_names = _task_names(task_manager, args.tasks, args.include_path)
+    _check_fewshot(task_manager, task_names, args)
     output = prepare_output_dir(args.output, (RESULTS_NAME,), overwrite=args.overwrite)
     model, tokenizer = load_model_for_eval(args.model, args.memory, args.tokenizer, args.dtype, args.device)
     lm = HFLM(pretrained=model.eval(), tokenizer=tokenizer, backend="causal", batch_size=args.batch_size)
     with model.memory_disabled() if args.memory_off else contextlib.nullcontext():
         results = simple_evaluate(
-            model=lm, tasks=args.tasks, num_fewshot=args.num_fewshot, limit=args.limit, task_manager=task_manager,
+            model=lm, tasks=task_names, num_fewshot=args.num_fewshot, limit=args.limit, task_manager=task_manager,
             log_samples=args.log_samples, random_seed=args.seed, numpy_random_seed=args.seed,
             torch_random_seed=args.seed, fewshot_random_seed=args.seed,
         )

@@ -1,0 +1,157 @@
+"""Hostile LoRA + memory folders through PEFT's `AutoPeftModelForCausalLM`, which loads whatever model the folder's
+adapter_config.json names: a copied folder, a moved one and an edited config load the folder given (the logits of
+`TitansQwenForCausalLM.from_pretrained` on it) or are refused naming both folders; broken adapter weights are refused
+naming the file and the tensor. Every folder handed in is checksummed before and after."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from peft import AutoPeftModelForCausalLM
+from test_peft import lora_model
+
+from titans_hf.lora import check_auto_peft_base
+from titans_hf.modeling import TitansQwenForCausalLM
+from titans_hf.modeling.memory_folder import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, MEMORY_WEIGHTS_NAME
+
+IDS = torch.randint(1, 200, (2, 40), generator=torch.Generator().manual_seed(0))
+
+
+def checksums(*folders: Path) -> dict[str, str]:
+    return {str(path): hashlib.sha256(path.read_bytes()).hexdigest()
+            for folder in folders for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+def save(model_dir: Path, folder: Path, seed: int) -> Path:
+    """A LoRA + memory folder whose memory and LoRA (moved off their zero init by `seed`) show in the logits."""
+    model = lora_model(model_dir)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:
+                param.add_(0.1 * torch.randn_like(param))
+    model.save_pretrained(folder)
+    return folder
+
+
+def logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(input_ids=IDS).logits
+
+
+def auto_peft(folder: Path):
+    with warnings.catch_warnings():  # PEFT says it finds a peft_config on the model it loaded
+        warnings.filterwarnings("ignore", message=".*multiple adapters")
+        return AutoPeftModelForCausalLM.from_pretrained(folder)
+
+
+def refused_naming_both(given: Path, named: Path) -> str:
+    with pytest.raises(ValueError, match="AutoPeftModelForCausalLM would load: another folder's memory") as error:
+        auto_peft(given)
+    message = str(error.value)
+    assert message.startswith(f"{given}: its {ADAPTER_CONFIG_NAME} names {named} as the model")
+    return message
+
+
+def test_a_folder_naming_itself_loads_whole_through_auto_peft(tiny_qwen3_dir, tmp_path):
+    """The folder where it was saved: PEFT loads exactly what TitansQwenForCausalLM.from_pretrained loads."""
+    folder = save(tiny_qwen3_dir, tmp_path / "saved", seed=1)
+    before = checksums(folder)
+    assert torch.equal(logits(auto_peft(folder)), logits(TitansQwenForCausalLM.from_pretrained(folder)))
+    assert checksums(folder) == before
+
+
+def test_a_copied_folder_whose_memory_was_retrained_is_refused_naming_both(tiny_qwen3_dir, tmp_path):
+    """A copy's adapter_config.json still names the original: PEFT would run the original's memory with the copy's
+    adapter. Refused, naming the copy and the original; the copy itself loads with its own memory."""
+    original = save(tiny_qwen3_dir, tmp_path / "original", seed=1)
+    copy = tmp_path / "copy"
+    shutil.copytree(original, copy)
+    retrained = save(tiny_qwen3_dir, tmp_path / "retrained", seed=2)
+    shutil.copyfile(retrained / MEMORY_WEIGHTS_NAME, copy / MEMORY_WEIGHTS_NAME)  # the copy's memory trained on
+    before = checksums(original, copy)
+    own = logits(TitansQwenForCausalLM.from_pretrained(copy))
+    assert not torch.equal(own, logits(TitansQwenForCausalLM.from_pretrained(original)))
+    refused_naming_both(copy, original)
+    assert checksums(original, copy) == before
+    assert torch.equal(logits(TitansQwenForCausalLM.from_pretrained(copy)), own)
+
+
+def test_a_moved_folder_is_refused_naming_both_or_fails_naming_the_old_place(tiny_qwen3_dir, tmp_path):
+    """Moved away, the folder's adapter_config.json names its old place: another folder saved there since is
+    refused, naming both; an empty place is transformers' error naming it."""
+    old_place = save(tiny_qwen3_dir, tmp_path / "run", seed=1)
+    moved = tmp_path / "moved"
+    shutil.move(old_place, moved)
+    expected = logits(TitansQwenForCausalLM.from_pretrained(moved))
+    before = checksums(moved)
+    with pytest.raises(OSError, match=str(old_place)):
+        auto_peft(moved)
+    save(tiny_qwen3_dir, old_place, seed=2)  # a later run saved into the old place
+    before.update(checksums(old_place))
+    refused_naming_both(moved, old_place)
+    assert checksums(moved, old_place) == before
+    assert torch.equal(logits(TitansQwenForCausalLM.from_pretrained(moved)), expected)
+
+
+def test_an_adapter_config_edited_to_name_another_folder_is_refused_naming_both(tiny_qwen3_dir, tmp_path):
+    """An adapter_config.json edited to name another titans_hf folder (a path on the machine it is loaded on):
+    refused, naming both; the folder's own loader ignores the field and loads its own memory and adapter."""
+    other = save(tiny_qwen3_dir, tmp_path / "other", seed=2)
+    folder = save(tiny_qwen3_dir, tmp_path / "edited", seed=1)
+    values = json.loads((folder / ADAPTER_CONFIG_NAME).read_text())
+    (folder / ADAPTER_CONFIG_NAME).write_text(json.dumps({**values, "base_model_name_or_path": str(other)}))
+    before = checksums(folder, other)
+    message = refused_naming_both(folder, other)
+    assert "save it again (save_pretrained)" in message
+    assert checksums(folder, other) == before
+    loaded = TitansQwenForCausalLM.from_pretrained(folder)
+    assert not torch.equal(logits(loaded), logits(TitansQwenForCausalLM.from_pretrained(other)))
+
+
+def test_broken_adapter_weights_are_refused_through_auto_peft_naming_the_file_and_tensor(tiny_qwen3_dir, tmp_path):
+    """Through PEFT's loader the adapter is titans_hf's loader's to check (the folder naming itself), from
+    safetensors only; a copy with broken weights is refused before them, as a copy."""
+    folder = save(tiny_qwen3_dir, tmp_path / "saved", seed=1)
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    weights = safetensors.torch.load_file(folder / ADAPTER_WEIGHTS_NAME)
+    key = sorted(weights)[0]
+    broken = {**weights, key: torch.full_like(weights[key], float("nan"))}
+    for target in (folder, copy):
+        safetensors.torch.save_file(broken, target / ADAPTER_WEIGHTS_NAME)
+    before = checksums(folder, copy)
+    with pytest.raises(ValueError, match=rf"^{folder / ADAPTER_WEIGHTS_NAME}: {key} holds NaN or infinite values"):
+        auto_peft(folder)
+    refused_naming_both(copy, folder)
+    assert checksums(folder, copy) == before
+
+    # PEFT would fall back to adapter_model.bin (a pickle); titans_hf reads safetensors only
+    torch.save(weights, folder / "adapter_model.bin")
+    (folder / ADAPTER_WEIGHTS_NAME).unlink()
+    before = checksums(folder)
+    with pytest.raises(FileNotFoundError, match=ADAPTER_WEIGHTS_NAME):
+        auto_peft(folder)
+    assert checksums(folder) == before
+
+
+@pytest.mark.parametrize("adapter, adapter_revision, model, model_revision, same", [
+    ("user/memory", None, "user/memory", None, True),
+    ("user/memory", "v2", "user/memory", "v2", True),
+    ("user/memory", "v2", "user/memory", None, False),  # the adapter of v2 on the memory of the default branch
+    ("someone/fork", None, "user/memory", None, False),
+])
+def test_a_hub_repository_is_the_same_model_only_at_the_same_revision(adapter, adapter_revision, model,
+                                                                     model_revision, same):
+    if same:
+        check_auto_peft_base(adapter, adapter_revision, model, model_revision)
+    else:
+        with pytest.raises(ValueError, match=f"^{adapter}.*: its {ADAPTER_CONFIG_NAME} names {model}"):
+            check_auto_peft_base(adapter, adapter_revision, model, model_revision)
