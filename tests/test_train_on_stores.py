@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -79,3 +80,27 @@ def test_store_training_refuses_what_it_cannot_use(tiny_qwen3_dir, stores, tmp_p
                   and f != "--window_size"])
     with pytest.raises(ValueError, match="--dataset 'titans_words' must be one of"):
         cli_main(flags(tiny_qwen3_dir, train_store, eval_store, tmp_path / "x", "--dataset", "titans_words"))
+
+
+def test_a_store_too_small_to_set_evaluation_rows_apart_is_named_in_one_line(tiny_qwen3_dir, tiny_tokenizer_dir,
+                                                                            tmp_path):
+    """A grpo store of one record and no --eval_data_files: no share of it can be set apart for evaluation. One line
+    names the store and why, before the model loads; named as the evaluation rows too, the record trains."""
+    source = tmp_path / "group.jsonl"
+    source.write_text(json.dumps({"prompt": "Mary went to the kitchen. Where is Mary?", "responses": [" kitchen",
+                                  " garden"], "rewards": [1.0, 0.0]}) + "\n")
+    store = tmp_path / "group.h5"
+    assert cli_main(["prepare", str(source), "-o", str(store), "--tokenizer", str(tiny_tokenizer_dir),
+                     "--train-type", "grpo"]) == 0
+    stored = store.read_bytes()
+    argv = ["train", "--dataset", "titans_tokens", "--train_type", "grpo", "--data_files", str(store),
+            "--model_name_or_path", str(tiny_qwen3_dir), "--chunk_size", "16", "--memory_chunk_size", "8",
+            "--memory_head_dim", "16", "--output_dir", str(tmp_path / "out"), "--max_steps", "1",
+            "--report_to", "none", "--disable_tqdm", "true", "--use_cpu", "true"]
+    with pytest.raises(ValueError, match=rf"^--data_files {re.escape(str(store))}: 1 grpo record, too few to set a "
+                       r"--train_ratio 0\.9 share of them apart for evaluation \(0 would train, 1 evaluate\); give "
+                       "more, or the evaluation rows with --eval_data_files$"):
+        cli_main(argv)
+    assert not (tmp_path / "out" / MEMORY_WEIGHTS_NAME).exists()
+    assert cli_main([*argv, "--eval_data_files", str(store)]) == 0
+    assert (tmp_path / "out" / MEMORY_WEIGHTS_NAME).is_file() and store.read_bytes() == stored

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from titans_hf.data.tokenizers import check_tokenizer_argument
 from titans_hf.outputs import check_outputs, record_outputs
@@ -14,6 +15,7 @@ from titans_hf.tasks.babilong import (
     write_babilong_json,
     write_dataset_card,
 )
+from titans_hf.tasks.babilong.generate import HaystackDataset
 
 from .arguments import length, local_or_hub
 
@@ -37,7 +39,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     generate.add_argument("--tokenizer", required=True, type=local_or_hub,
                           help="the tokenizer that counts the length (your model's): Hub id or local folder")
     generate.add_argument("--seed", type=int, default=0)
-    generate.add_argument("--haystack", nargs="+", default=None, help="text files (e.g. PG19 books) for the haystack")
+    add_haystack_arguments(generate)
     generate.add_argument("--output", required=True, help="JSON file to write, e.g. data/qa1/4k.json")
     generate.add_argument("--card", action="store_true", help="also write a dataset card README.md beside it")
     generate.add_argument("--overwrite", action="store_true",
@@ -51,16 +53,19 @@ def generate_command(args: argparse.Namespace) -> int:
     output = Path(args.output)
     check_outputs([output, dataset_card_path(output)] if args.card else [output], args.overwrite)
     check_tokenizer_argument(args.tokenizer, "--tokenizer")
+    haystack = haystack_from_arguments(args)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, trust_remote_code=False)
-    rows = generate_babilong(
-        args.task, args.num_samples, args.length, tokenizer, args.seed, args.haystack, show_progress=True
-    )
+    rows = generate_babilong(args.task, args.num_samples, args.length, tokenizer, args.seed, show_progress=True,
+                             **haystack)
     output = write_babilong_json(rows, output)
     written = [output.name]
     if args.card:
         settings = {
             "task": args.task, "length": args.length, "num_samples": args.num_samples, "seed": args.seed,
             "tokenizer": args.tokenizer, "haystack_files": args.haystack or [], "files": output.name,
+            "haystack_dataset": None if haystack["haystack_dataset"] is None else {
+                "path": args.haystack_dataset, "data_files": args.haystack_data_files or [],
+                "split": args.haystack_split or "train", "column": args.haystack_column or "text"},
         }
         try:
             written.append(write_dataset_card(output, settings).name)
@@ -70,3 +75,36 @@ def generate_command(args: argparse.Namespace) -> int:
     record_outputs(output.parent, written, "titans-hf babilong generate")
     print(output)
     return 0
+
+
+def add_haystack_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, when: str = "") -> None:
+    """The flags that choose a generated haystack: --haystack (files, folders), or --haystack-dataset and its
+    --haystack-data-files, --haystack-split, --haystack-column. `when` ends each help text (e.g. " (--generate)")."""
+    parser.add_argument("--haystack", nargs="+", default=None,
+                        help="text files or folders (every *.txt under a folder, in sorted order), e.g. PG-19 "
+                        f"books, for the haystack; default: built-in distractor prose{when}")
+    parser.add_argument("--haystack-dataset", default=None,
+                        help="a datasets split for the haystack instead: what load_dataset takes as its path (json, "
+                        f"text, parquet or csv with --haystack-data-files, a folder, a Hub id), read streaming{when}")
+    parser.add_argument("--haystack-data-files", nargs="+", default=None,
+                        help=f"the files of --haystack-dataset (load_dataset's data_files){when}")
+    parser.add_argument("--haystack-split", default=None, help=f"the split of --haystack-dataset (default train){when}")
+    parser.add_argument("--haystack-column", default=None,
+                        help=f"the column of --haystack-dataset that holds the text (default text){when}")
+
+
+def haystack_from_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """`generate_babilong`'s haystack_files and haystack_dataset from the flags of `add_haystack_arguments`; flags
+    of a dataset given without --haystack-dataset, or both sources at once, are a ValueError naming the flags."""
+    dataset_flags = {"--haystack-data-files": args.haystack_data_files, "--haystack-split": args.haystack_split,
+                     "--haystack-column": args.haystack_column}
+    if args.haystack_dataset is None:
+        stray = [flag for flag, value in dataset_flags.items() if value is not None]
+        if stray:
+            raise ValueError(f"{' '.join(stray)}: describe a --haystack-dataset, and none is given")
+        return {"haystack_files": args.haystack, "haystack_dataset": None}
+    if args.haystack:
+        raise ValueError("--haystack and --haystack-dataset: the haystack comes from one of them, not both")
+    dataset = HaystackDataset(args.haystack_dataset, args.haystack_data_files, args.haystack_split,
+                              args.haystack_column or "text")
+    return {"haystack_files": None, "haystack_dataset": dataset}

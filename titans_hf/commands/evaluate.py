@@ -25,6 +25,7 @@ from titans_hf.tasks.babilong.evaluation import (
 from titans_hf.tasks.babilong.generate import read_haystack_sentences
 
 from .arguments import add_model_arguments, length
+from .babilong import add_haystack_arguments, haystack_from_arguments
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -54,7 +55,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                       "not); --generate: input lengths in tokens (e.g. 3500 or 4k = 4096), required")
     data.add_argument("--num-samples", type=int, default=100, help="rows per task and length (--generate)")
     data.add_argument("--seed", type=int, default=1, help="generation seed; use one the training data did not")
-    data.add_argument("--haystack", nargs="+", default=None, help="text files for the haystack (--generate)")
+    add_haystack_arguments(data, " (--generate)")
     data.add_argument("--max-new-tokens", type=int, default=8, help="tokens generated per answer")
     lm = parser.add_argument_group("--lm: loss per chunk on token stores")
     lm.add_argument("--lm", action="store_true",
@@ -130,15 +131,16 @@ def eval_command(args: argparse.Namespace) -> int:
         bad = [label for label, tokens in lengths.items() if tokens is None]
         if bad:
             raise ValueError(f"titans-hf eval --generate: --lengths {bad} are not lengths (tokens, e.g. 3500 or 4k)")
-        if args.haystack:
-            read_haystack_sentences(args.haystack)  # missing or unreadable text fails before the model loads
+        haystack = haystack_from_arguments(args)
+        if haystack["haystack_files"] or haystack["haystack_dataset"] is not None:
+            read_haystack_sentences(**haystack)  # missing or unreadable text fails before the model loads
     else:
         data = babilong_files_by_task_length(args.data, args.tasks, args.lengths)
     prepare_output_dir(args.output, OUTPUT_NAMES, overwrite=args.overwrite)
     model, tokenizer = load_model_for_eval(args.model, args.memory, args.tokenizer, args.dtype, args.device)
     if args.generate:
         data = {
-            (task, label): generate_babilong(task, args.num_samples, tokens, tokenizer, args.seed, args.haystack)
+            (task, label): generate_babilong(task, args.num_samples, tokens, tokenizer, args.seed, **haystack)
             for task in tasks
             for label, tokens in lengths.items()
         }

@@ -151,8 +151,21 @@ class DataArguments:
     task: str = field(default="qa1", metadata={"help": "Generated task: qa1, qa2 or qa3."})
     num_samples: int = field(default=5000, metadata={"help": "Generated rows per length."})
     haystack_files: list[str] | None = field(
-        default=None, metadata={"help": "Text files for the generated haystack (default: built-in prose)."}
+        default=None,
+        metadata={"help": "Text files or folders (every *.txt under a folder, in sorted order) for the generated "
+                  "haystack (default: built-in prose)."},
     )
+    haystack_dataset: str | None = field(
+        default=None,
+        metadata={"help": "A datasets split for the generated haystack instead: what load_dataset takes as its path "
+                  "(json, text, parquet or csv with haystack_data_files, a folder, a Hub id), read streaming."},
+    )
+    haystack_data_files: list[str] | None = field(
+        default=None, metadata={"help": "The files of haystack_dataset (load_dataset's data_files)."}
+    )
+    haystack_split: str | None = field(default=None,
+                                       metadata={"help": "The split of haystack_dataset (default: train)."})
+    haystack_column: str = field(default="text", metadata={"help": "The column of haystack_dataset holding the text."})
     generation_seed: int = field(default=0, metadata={"help": "Seed of the generator and of the train/eval split."})
     tokenizer_name_or_path: str | None = field(default=None, metadata={"help": "Default: model_name_or_path."})
     max_length: int = field(default=32768, metadata={"help": "Tokens per row (prompt + answer)."})
@@ -231,13 +244,19 @@ def load_babilong_splits(
                   if values and len(values) == 1}
         builds = [datasets.load_dataset("titans_babilong", data_files=files, **labels, **common)]
     elif data_args.generate_lengths:
-        haystack = tuple(data_args.haystack_files) if data_args.haystack_files else None
+        haystack = dict(
+            haystack_files=tuple(data_args.haystack_files) if data_args.haystack_files else None,
+            haystack_dataset=data_args.haystack_dataset,
+            haystack_data_files=tuple(data_args.haystack_data_files) if data_args.haystack_data_files else None,
+            haystack_split=data_args.haystack_split,
+            haystack_column=data_args.haystack_column,
+        )
         builds = [
             build_babilong(
                 task=data_args.task,
                 length=length,
                 num_samples=data_args.num_samples,
-                haystack_files=haystack,
+                **haystack,
                 **common,
             )
             for length in data_args.generate_lengths
@@ -273,6 +292,13 @@ def load_token_splits(data_args: DataArguments, vocab_size: int, tokenizer: Any 
     if "validation" in windows:
         evaluation = windows["validation"]
     else:
+        training = int(data_args.train_ratio * len(train))  # what train_test_split keeps for training
+        if not 0 < training < len(train):
+            rows = ("record" if data_args.train_type in ("dpo", "grpo") else "window") + "s" * (len(train) != 1)
+            raise ValueError(f"--data_files {', '.join(files['train'])}: {len(train)} {data_args.train_type} {rows}, "
+                             f"too few to set a --train_ratio {data_args.train_ratio} share of them apart for "
+                             f"evaluation ({training} would train, {len(train) - training} evaluate); give more, or "
+                             "the evaluation rows with --eval_data_files")
         split = train.train_test_split(train_size=data_args.train_ratio, seed=data_args.generation_seed)
         train, evaluation = split["train"], split["test"]
     if data_args.max_train_samples is not None:

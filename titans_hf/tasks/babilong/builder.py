@@ -9,6 +9,11 @@ Usage, once ``titans_hf`` is imported (it registers the builder)::
     load_dataset("titans_babilong", data_files="babilong/32k/qa*-*.parquet", tokenizer=..., max_length=32768)
     load_dataset("titans_babilong", task="qa1", length=2048, num_samples=5000, seed=0,
                  tokenizer="path/to/tokenizer", max_length=2304)
+    load_dataset("titans_babilong", task="qa1", length=2048, num_samples=5000, haystack_files=["books/"],
+                 tokenizer="path/to/tokenizer", max_length=2304)      # your prose: files, or folders of *.txt
+    load_dataset("titans_babilong", task="qa1", length=2048, num_samples=5000, haystack_dataset="json",
+                 haystack_data_files=["essays.jsonl"], haystack_column="body",
+                 tokenizer="path/to/tokenizer", max_length=2304)      # or a datasets split
     build_babilong(task="qa1", length=2048, num_samples=5000, seed=0,
                    tokenizer="path/to/tokenizer", max_length=2304)   # the builder-class route
 
@@ -20,10 +25,11 @@ Task and length labels of file rows come from the published layouts (``32k/qa1-0
 length and label the files whose path says neither. The ``length`` column is the label's token count
 (``length_tokens``: "32k" -> 32768), -1 when unknown.
 
-Config values are plain (the tokenizer is a name or path), and the Arrow cache key also holds what the rows
-depend on beyond them: the tokenizer's serialised state and pad id, and the contents of the haystack and data
-files, so a changed tokenizer or file under the same name builds anew. Work is cut into row chunks listed in
-``gen_kwargs``, which is what ``num_proc`` parallelises over.
+Config values are plain (the tokenizer is a name or path, the haystack files, folders or dataset by name), and the
+Arrow cache key also holds what the rows depend on beyond them: the tokenizer's serialised state and pad id, the
+contents of the data files and of every haystack file read (or the haystack dataset's texts), so a changed
+tokenizer or file under the same name builds anew (and a haystack file whose mtime alone changed does not). Work is
+cut into row chunks listed in ``gen_kwargs``, which is what ``num_proc`` parallelises over.
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ from titans_hf.tasks.babilong import (
     read_babilong_file,
     train_eval_split,
 )
-from titans_hf.tasks.babilong.generate import read_haystack_sentences
+from titans_hf.tasks.babilong.generate import HaystackDataset, haystack_digests, read_haystack_sentences
 
 logger = logging.getLogger(__name__)
 
@@ -81,10 +87,16 @@ class TitansBabilongConfig(datasets.BuilderConfig):
         answer_reserve_tokens: room kept for the answer; the prompt is cut to the rest.
         pad_to_max_length: False leaves rows unpadded, for a collator that pads to a multiple of
             the chunk size (length curricula).
-        task, length, num_samples, seed, haystack_files: generation settings, used when no data
-            files are given. With data files, ``task``/``length`` keep only the files whose layout
-            names that task / length and label the files whose path names none. ``length`` may be a
-            published label ("32k"); it is stored as its token count.
+        task, length, num_samples, seed: generation settings, used when no data files are given.
+            With data files, ``task``/``length`` keep only the files whose layout names that task /
+            length and label the files whose path names none. ``length`` may be a published label
+            ("32k"); it is stored as its token count.
+        haystack_files: the generated haystack from text files and folders (every ``*.txt`` under
+            a folder, in sorted order; links out of a folder refused). Default: built-in prose.
+        haystack_dataset, haystack_data_files, haystack_split, haystack_column: the generated
+            haystack from a ``datasets`` split instead: ``load_dataset(haystack_dataset,
+            data_files=haystack_data_files, split=haystack_split or "train")[haystack_column]``
+            (streamed; e.g. "json" / "text" / "parquet" with local files, a folder, or a Hub id).
         train_ratio: split a single source into seeded ``train``/``validation`` splits (seed =
             ``seed``); None keeps every row in ``train``.
         truncate_answers: an answer longer than the room left after the prompt is an error naming
@@ -100,6 +112,10 @@ class TitansBabilongConfig(datasets.BuilderConfig):
     num_samples: int | None = None
     seed: int = 0
     haystack_files: tuple[str, ...] | None = None
+    haystack_dataset: str | None = None
+    haystack_data_files: tuple[str, ...] | None = None
+    haystack_split: str | None = None
+    haystack_column: str = "text"
     train_ratio: float | None = 0.9
     truncate_answers: bool = False
 
@@ -125,8 +141,21 @@ class TitansBabilongConfig(datasets.BuilderConfig):
             )
         if self.train_ratio is not None and not 0 < self.train_ratio < 1:
             raise ValueError(f"train_ratio={self.train_ratio} must lie strictly between 0 and 1, or be None")
-        if self.haystack_files is not None:
-            self.haystack_files = tuple(str(f) for f in self.haystack_files)
+        self.haystack_files = _plain_paths(self.haystack_files, "haystack_files")
+        self.haystack_data_files = _plain_paths(self.haystack_data_files, "haystack_data_files")
+        if self.haystack_dataset is not None and not isinstance(self.haystack_dataset, (str, os.PathLike)):
+            raise ValueError(f"titans_babilong: haystack_dataset={self.haystack_dataset!r} must be a load_dataset "
+                             "path (a builder name such as json, a folder or a Hub id); a loaded dataset goes to "
+                             "generate_babilong(haystack_dataset=titans_hf.tasks.babilong.generate.HaystackDataset(...))")
+        if self.haystack_dataset is None:
+            given = [name for name, value in (("haystack_data_files", self.haystack_data_files),
+                                              ("haystack_split", self.haystack_split)) if value is not None]
+            given += ["haystack_column"] if self.haystack_column != "text" else []
+            if given:
+                raise ValueError(f"titans_babilong: {given} describe a haystack_dataset, and none is given")
+        else:
+            self.haystack_dataset = str(self.haystack_dataset)
+        self.haystack_source()  # refuses both sources at once, and a column or split that is not a name
         if isinstance(self.length, str):
             tokens = length_tokens(self.length)
             if tokens is None:
@@ -148,8 +177,8 @@ class TitansBabilongConfig(datasets.BuilderConfig):
         """The cache key: the config, plus the tokenizer's state and the contents of every local input file read
         (data files of other tasks / lengths than asked for are not)."""
         inputs: dict[str, Any] = {"tokenizer": tokenizer_fingerprint(self.tokenizer)}
-        if self.haystack_files:
-            inputs["haystack_files"] = [file_digest(file, "haystack file") for file in self.haystack_files]
+        if self.haystack_files or self.haystack_dataset is not None:
+            inputs["haystack"] = haystack_digests(self.haystack_files, self.haystack_source())
         if self.data_files is not None:
             inputs["data_files"] = {
                 str(split): [file_digest(file, "BABILong file") for file in files
@@ -157,6 +186,27 @@ class TitansBabilongConfig(datasets.BuilderConfig):
                 for split, files in self.data_files.items()
             }
         return super().create_config_id({**config_kwargs, "inputs": inputs}, custom_features=custom_features)
+
+    def haystack_source(self) -> HaystackDataset | None:
+        """The haystack dataset the settings name, None when they name none."""
+        if self.haystack_dataset is None:
+            return None
+        if self.haystack_files:
+            raise ValueError(f"titans_babilong: the haystack comes from haystack_files ({list(self.haystack_files)}) "
+                             f"or from haystack_dataset ({self.haystack_dataset!r}), not both")
+        return HaystackDataset(self.haystack_dataset, self.haystack_data_files, self.haystack_split,
+                               self.haystack_column)
+
+
+def _plain_paths(value: Any, name: str) -> tuple[str, ...] | None:
+    """A path, or a list of them, as a tuple of strings (one path alone is not split into characters)."""
+    if value is None:
+        return None
+    if isinstance(value, (str, os.PathLike)):
+        return (os.fspath(value),)
+    if not isinstance(value, (list, tuple)) or not all(isinstance(item, (str, os.PathLike)) for item in value):
+        raise ValueError(f"titans_babilong: {name}={value!r} must be a path or a list of paths")
+    return tuple(os.fspath(item) for item in value)
 
 
 def tokenizer_fingerprint(name_or_path: str) -> str:
@@ -215,8 +265,9 @@ class TitansBabilong(datasets.ArrowBasedBuilder):
                 raise ValueError(f"titans_babilong without data_files generates rows and needs {missing}")
             if self.config.task not in GENERATED_TASKS:
                 raise ValueError(f"titans_babilong generates {list(GENERATED_TASKS)}, not task={self.config.task!r}")
-            if self.config.haystack_files:
-                read_haystack_sentences(self.config.haystack_files)  # unreadable text fails now, not in every worker
+            if self.config.haystack_files or self.config.haystack_dataset is not None:
+                # unreadable text fails now, not in every worker
+                read_haystack_sentences(self.config.haystack_files, self.config.haystack_source())
             sources = {"train": list(range(self.config.num_samples))}
 
         if self.config.train_ratio is not None and list(sources) == ["train"]:
@@ -268,6 +319,7 @@ class TitansBabilong(datasets.ArrowBasedBuilder):
             batches = iter_babilong_batches(
                 config.task, config.num_samples, config.length, tokenizer, config.seed,
                 haystack_files=config.haystack_files, row_indices=indices, batch_size=ROWS_PER_CHUNK,
+                haystack_dataset=config.haystack_source(),
             )
             where = f"generated {config.task} (length {config.length}, seed {config.seed})"
             remaining = iter(indices)  # batches come in order: each takes the next len(batch) indices

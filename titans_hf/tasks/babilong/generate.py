@@ -1,23 +1,32 @@
 """An offline BABILong generator: bAbI stories (QA1 single supporting fact, QA2 two, QA3 three) in a haystack.
 
 A story's facts are scattered, in story order, over the sentence gaps of a haystack sized in tokens of the
-tokenizer that will read it: contiguous text of the user's files, or built-in distractor prose that never names a
-task word. Rows are plain ``{"input", "question", "target"}`` dicts, the public format, so generated and published
-rows go through the same reader and the same example assembly.
+tokenizer that will read it: contiguous text of the user's files or folders, or of a ``datasets`` split, without
+the sentences that name a task word; or built-in distractor prose that never names one. Rows are plain
+``{"input", "question", "target"}`` dicts, the public format, so generated and published rows go through the same
+reader and the same example assembly.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import random
 import re
+import stat
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 from tqdm.auto import tqdm
 
 from titans_hf.data.tokenizers import plain_backend_tokenizer
+from titans_hf.files import file_sha256
 
 from .files import read_utf8_text
+
+if TYPE_CHECKING:
+    import datasets
 
 ACTORS = ["John", "Mary", "Sandra", "Daniel"]
 LOCATIONS = ["bathroom", "bedroom", "garden", "hallway", "kitchen", "office"]
@@ -216,24 +225,206 @@ def split_sentences(text: str) -> list[str]:
     return [s for s in _SENTENCE_END.split(" ".join(text.split())) if s]
 
 
-def read_haystack_sentences(haystack_files: Sequence[str | Path]) -> list[str]:
-    """Sentences of the user's text files, in file order, without any that names a task word.
+def names_a_task_word(sentence: str) -> bool:
+    """Whether a sentence names an actor, location or object of the tasks (any case, whole words): such a sentence
+    in a haystack could contradict the story or answer its question, so no haystack keeps one."""
+    return _TASK_WORDS.search(sentence) is not None
 
-    Dropping sentences that mention e.g. "kitchen" or "Mary" keeps a book from contradicting the
-    story; everything else keeps its original order, as BABILong takes contiguous book text.
+
+@dataclass(frozen=True)
+class HaystackDataset:
+    """A ``datasets`` split as the haystack: the text of ``column``, row after row, read as contiguous text.
+
+    ``source`` is what ``datasets.load_dataset`` takes as its path: a packaged builder (``"text"``, ``"json"``,
+    ``"parquet"``, ``"csv"``) with ``data_files``, a local folder, or a Hub id; ``split`` defaults to ``"train"``.
+    It is read with ``streaming=True``, so every read sees the files as they are now (the Arrow cache of a plain
+    ``load_dataset`` keys local files by path and mtime, and would serve an edited file whose mtime was kept).
+    ``source`` may also be a loaded ``datasets.Dataset`` or ``IterableDataset``, with no ``data_files`` or ``split``.
     """
-    sentences: list[str] = []
-    for file in haystack_files:
-        path = Path(file)
-        if not path.is_file():
-            raise FileNotFoundError(f"haystack file {path} does not exist")
-        text = read_utf8_text(path, "haystack file")
-        sentences.extend(s for s in split_sentences(text) if not _TASK_WORDS.search(s))
+
+    source: str | datasets.Dataset | datasets.IterableDataset
+    data_files: str | tuple[str, ...] | None = None
+    split: str | None = None
+    column: str = "text"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.data_files, (list, tuple)):
+            object.__setattr__(self, "data_files", tuple(str(file) for file in self.data_files))
+        elif self.data_files is not None and not isinstance(self.data_files, str):
+            raise ValueError(f"haystack data_files={self.data_files!r} must be a file pattern or a list of them")
+        if not isinstance(self.column, str) or not self.column:
+            raise ValueError(f"haystack column={self.column!r} must name a column")
+        if self.split is not None and (not isinstance(self.split, str) or not self.split):
+            raise ValueError(f"haystack split={self.split!r} must name a split")
+        if isinstance(self.source, str):
+            if not self.source:
+                raise ValueError("haystack dataset: an empty path; name a builder (json, text, parquet, csv), a "
+                                 "folder or a Hub id")
+        elif self._is_loaded():
+            if self.data_files is not None or self.split is not None:
+                raise ValueError("haystack dataset: data_files and split choose what load_dataset reads; a loaded "
+                                 f"{type(self.source).__name__} takes neither")
+        else:
+            raise ValueError(f"haystack dataset {self.source!r}: a load_dataset path or a loaded datasets.Dataset / "
+                             f"IterableDataset, not {type(self.source).__name__}")
+
+    def _is_loaded(self) -> bool:
+        import datasets
+
+        return isinstance(self.source, (datasets.Dataset, datasets.IterableDataset))
+
+    def describe(self) -> str:
+        """The source as error messages name it."""
+        if not isinstance(self.source, str):
+            return f"haystack dataset (a {type(self.source).__name__}), column {self.column!r}"
+        files = f", data_files {self.data_files!r}" if self.data_files is not None else ""
+        return f"haystack dataset {self.source!r}{files}, split {self.split or 'train'!r}, column {self.column!r}"
+
+    def texts(self) -> Iterator[str]:
+        """The column's texts in row order. A missing data file is a FileNotFoundError, a missing split or column,
+        a file its builder cannot read or a value that is not text a ValueError, each naming the source."""
+        import datasets
+
+        dataset = self.source
+        if isinstance(dataset, str):
+            try:
+                dataset = datasets.load_dataset(dataset, data_files=self.data_files, split=self.split or "train",
+                                                streaming=True)
+            except FileNotFoundError as error:
+                raise FileNotFoundError(f"{self.describe()}: {error}") from error
+            except (ValueError, ConnectionError) as error:
+                raise ValueError(f"{self.describe()}: cannot be read: {error}") from error
+        names = dataset.column_names  # None for a stream whose features are known only once read
+        if names is not None:
+            if self.column not in names:
+                raise ValueError(f"{self.describe()}: no column {self.column!r} (columns: {names})")
+            dataset = dataset.select_columns([self.column])
+        batches, row = dataset.iter(batch_size=1024), 0
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except (ValueError, OSError) as error:  # a file that is not what its builder reads
+                raise ValueError(f"{self.describe()}: cannot be read: {error}") from error
+            if self.column not in batch:
+                raise ValueError(f"{self.describe()}: no column {self.column!r} (columns: {sorted(batch)})")
+            for value in batch[self.column]:
+                if not isinstance(value, str):
+                    raise ValueError(f"{self.describe()}: row {row} holds {type(value).__name__}, not text")
+                yield value
+                row += 1
+
+
+HAYSTACK_FILE_SUFFIX = ".txt"
+
+
+def haystack_text_files(haystack_files: str | Path | Sequence[str | Path] | None) -> list[Path]:
+    """The text files a haystack reads, in order: each file as given, and for each folder every ``*.txt`` file under
+    it, in sorted order of their paths inside it.
+
+    A folder's links are followed only inside it: a link to a file or folder outside it is a ValueError naming the
+    link (a link to a folder inside it is not walked, as its target is walked anyway). A folder holding no ``*.txt``
+    file, and a ``*.txt`` entry that is not a regular file, are ValueErrors naming them; a missing path is a
+    FileNotFoundError naming it.
+    """
+    files: list[Path] = []
+    for entry in _paths(haystack_files):
+        if entry.is_dir():
+            files.extend(_folder_text_files(entry))
+        elif not entry.exists():
+            raise FileNotFoundError(f"haystack file {entry} does not exist")
+        else:
+            files.append(_regular_file(entry, "haystack file"))
+    return files
+
+
+def _paths(haystack_files: str | Path | Sequence[str | Path] | None) -> list[Path]:
+    """The haystack files and folders given: one path alone, or a list of them."""
+    if isinstance(haystack_files, (str, os.PathLike)):
+        return [Path(haystack_files)]
+    return [Path(entry) for entry in haystack_files or []]
+
+
+def _regular_file(path: Path, what: str) -> Path:
+    """``path`` when it is (or links to) a regular file; a FIFO or device would block or never end a read."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} {path} is a link to nothing") from None
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{what} {path} is not a regular file")
+    return path
+
+
+def _folder_text_files(folder: Path) -> list[Path]:
+    """Every ``*.txt`` file under ``folder`` (links kept inside it), sorted by their path inside it."""
+    def unreadable(error: OSError) -> None:
+        raise ValueError(f"haystack folder {folder}: cannot list {error.filename}: {error.strerror}") from error
+
+    root = folder.resolve()
+    found: list[Path] = []
+    for directory, subfolders, names in os.walk(folder, onerror=unreadable, followlinks=False):
+        for name in subfolders + names:
+            path = Path(directory, name)
+            if not path.is_symlink() or not (name.endswith(HAYSTACK_FILE_SUFFIX) or name in subfolders):
+                continue
+            try:
+                target = path.resolve()
+            except (OSError, RuntimeError) as error:  # a loop of links
+                raise ValueError(f"haystack folder {folder}: the link {path} cannot be resolved ({error})") from None
+            if not target.is_relative_to(root):
+                raise ValueError(f"haystack folder {folder}: {path} is a link to {target}, outside the folder; "
+                                 "copy the file in, or name it as a haystack file of its own")
+        found.extend(_regular_file(Path(directory, name), "haystack file")
+                     for name in names if name.endswith(HAYSTACK_FILE_SUFFIX))
+    if not found:
+        raise ValueError(f"haystack folder {folder} holds no {HAYSTACK_FILE_SUFFIX} file")
+    return sorted(found, key=lambda path: path.relative_to(folder).parts)
+
+
+def _check_one_source(
+    haystack_files: str | Path | Sequence[str | Path] | None, haystack_dataset: HaystackDataset | None
+) -> None:
+    if haystack_files and haystack_dataset is not None:
+        raise ValueError("a haystack comes from haystack_files or from haystack_dataset, not both")
+
+
+def read_haystack_sentences(
+    haystack_files: str | Path | Sequence[str | Path] | None = None, haystack_dataset: HaystackDataset | None = None
+) -> list[str]:
+    """Sentences of a haystack, in order, without any that names a task word (``names_a_task_word``).
+
+    The haystack is text files and folders (``haystack_text_files``), or a ``datasets`` split
+    (``HaystackDataset``). Dropping sentences that mention e.g. "kitchen" or "Mary" keeps a book from
+    contradicting the story; everything else keeps its original order, as BABILong takes contiguous book text.
+    """
+    _check_one_source(haystack_files, haystack_dataset)
+    if haystack_dataset is not None:
+        where, texts = f"{haystack_dataset.describe()} holds", haystack_dataset.texts()
+    else:
+        files = haystack_text_files(haystack_files)
+        named = [str(path) for path in _paths(haystack_files)]
+        where, texts = f"haystack files {named} hold", (read_utf8_text(file, "haystack file") for file in files)
+    sentences = [s for text in texts for s in split_sentences(text) if not names_a_task_word(s)]
     if not sentences:
-        raise ValueError(
-            f"haystack files {[str(f) for f in haystack_files]} hold no sentence free of the task words"
-        )
+        raise ValueError(f"{where} no sentence free of the task words")
     return sentences
+
+
+def haystack_digests(
+    haystack_files: str | Path | Sequence[str | Path] | None = None, haystack_dataset: HaystackDataset | None = None
+) -> list[list[str]]:
+    """What a haystack's sentences depend on, for cache keys: [path, SHA-256 of its bytes] of every file read, in
+    order, or ["texts", SHA-256 of the dataset's texts, each framed by its length]. Contents only, never mtimes."""
+    _check_one_source(haystack_files, haystack_dataset)
+    if haystack_dataset is not None:
+        digest = hashlib.sha256()
+        for text in haystack_dataset.texts():
+            data = text.encode("utf-8")
+            digest.update(len(data).to_bytes(8, "little") + data)
+        return [["texts", digest.hexdigest()]]
+    return [[str(file), file_sha256(file)] for file in haystack_text_files(haystack_files)]
 
 
 def _token_counts(tokenizer, texts: list[str], leading_space: bool = True) -> list[int]:
@@ -266,21 +457,25 @@ def generate_babilong(
     length: int,
     tokenizer,
     seed: int = 0,
-    haystack_files: Sequence[str | Path] | None = None,
+    haystack_files: str | Path | Sequence[str | Path] | None = None,
     row_indices: Sequence[int] | None = None,
     show_progress: bool = False,
+    haystack_dataset: HaystackDataset | None = None,
 ) -> list[dict[str, str]]:
     """Generate BABILong rows ``{"input", "question", "target"}``.
 
     ``length`` is the size of ``input`` in tokens of ``tokenizer`` (no special tokens): at most
     ``length`` and short of it by less than one haystack sentence; ``length=0`` gives the bare
     story (BABILong's "0k"). Facts go, in story order, into uniformly random gaps between
-    haystack sentences; the haystack is contiguous text of ``haystack_files`` from a random
-    start, or built-in distractor prose. ``row_indices`` picks rows of the ``num_samples``-row
-    set (each row depends only on its index), which lets workers generate shards independently.
+    haystack sentences; the haystack is contiguous text from a random start of ``haystack_files``
+    (text files, and folders of ``*.txt`` files, see ``haystack_text_files``) or of a ``datasets``
+    split (``haystack_dataset``), or else built-in distractor prose; sentences naming a task word
+    are left out of every haystack. ``row_indices`` picks rows of the ``num_samples``-row set
+    (each row depends only on its index), which lets workers generate shards independently.
     """
     batches = iter_babilong_batches(
-        task, num_samples, length, tokenizer, seed, haystack_files, row_indices, show_progress=show_progress
+        task, num_samples, length, tokenizer, seed, haystack_files, row_indices, show_progress=show_progress,
+        haystack_dataset=haystack_dataset,
     )
     return [row for batch in batches for row in batch]
 
@@ -291,10 +486,11 @@ def iter_babilong_batches(
     length: int,
     tokenizer,
     seed: int = 0,
-    haystack_files: Sequence[str | Path] | None = None,
+    haystack_files: str | Path | Sequence[str | Path] | None = None,
     row_indices: Sequence[int] | None = None,
     batch_size: int = 256,
     show_progress: bool = False,
+    haystack_dataset: HaystackDataset | None = None,
 ) -> Iterator[list[dict[str, str]]]:
     """``generate_babilong`` in batches of rows, so a large set never sits in memory at once.
 
@@ -314,8 +510,8 @@ def iter_babilong_batches(
     if bad:
         raise ValueError(f"row_indices {bad[:5]} lie outside the {num_samples}-row set")
 
-    if haystack_files:
-        sentences = read_haystack_sentences(haystack_files)
+    if haystack_files or haystack_dataset is not None:
+        sentences = read_haystack_sentences(haystack_files, haystack_dataset)
         contiguous = True
     else:
         # Enough distinct sentences that a row rarely repeats one, capped to keep start-up short.
