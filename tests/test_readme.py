@@ -114,7 +114,9 @@ def test_the_readme_shows_runnable_blocks_and_the_quick_start():
 
 def test_the_install_block_is_what_setup_env_installs():
     [install] = [code for _, code in readme_blocks() if INSTALL in code]
-    assert "pip install torch==2.13.0\n" in install and "torch==2.13.0" in (ROOT / "scripts" / "setup_env.sh").read_text()
+    assert "python3 -m venv .venv" in install.splitlines()[0]  # a venv first, so nothing else pulls a torch in
+    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in install
+    assert "torch==2.13.0" in (ROOT / "scripts" / "setup_env.sh").read_text()
     assert "pip install -e .  " in install
     setup = configparser.ConfigParser()
     setup.read(ROOT / "setup.cfg", encoding="utf-8")
