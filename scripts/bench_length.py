@@ -60,7 +60,8 @@ def run_eval(args: argparse.Namespace, chunks: int) -> dict:
 
     model, tokenizer = load_model_for_eval(args.model, args.memory)
     chunk_size = model.config.memory_config.chunk_size
-    rows = generate_babilong("qa1", args.num_samples, chunks * chunk_size, tokenizer, seed=args.seed)
+    rows = generate_babilong("qa1", args.num_samples, chunks * chunk_size, tokenizer, seed=args.seed,
+                             haystack_files=args.haystack)
     started = time.perf_counter()
     results = evaluate_babilong(model, tokenizer, {("qa1", chunks * chunk_size): rows}, max_new_tokens=3,
                                 batch_size=args.batch_size, ablation=args.ablation, show_progress=False)
@@ -85,7 +86,7 @@ def run_stream(args: argparse.Namespace, tokens: int) -> dict:
 
     model, tokenizer = load_model_for_eval(args.model, args.memory)
     model.eval()
-    row = generate_babilong("qa1", 1, tokens, tokenizer, seed=args.seed)[0]
+    row = generate_babilong("qa1", 1, tokens, tokenizer, seed=args.seed, haystack_files=args.haystack)[0]
     prompt, target = torch.tensor([prompt_ids(row, tokenizer)]), row["target"]
     del row
     lifetime_peak = peak_memory_mb()  # building the row: its text and the tokenizer's encoding
@@ -119,6 +120,8 @@ def main() -> int:
     parser.add_argument("--stream-tokens", type=int, nargs="*", default=[32768, 131072, 1048576],
                         help="input tokens of the rows streamed through generate")
     parser.add_argument("--seed", type=int, default=11)
+    parser.add_argument("--haystack", nargs="+", default=None,
+                        help="haystack text files or folders (default: the generator's built-in prose)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default=None, help="write the measurements here")
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)  # one measurement, in a child process
@@ -136,7 +139,8 @@ def main() -> int:
     cases = [f"eval:{chunks}" for chunks in args.chunks] + [f"stream:{tokens}" for tokens in args.stream_tokens]
     forwarded = ["--model", args.model, *(["--memory", args.memory] if args.memory else []),
                  "--num-samples", str(args.num_samples), "--batch-size", str(args.batch_size), "--seed", str(args.seed),
-                 "--threads", str(args.threads), *(["--ablation"] if args.ablation else [])]
+                 "--threads", str(args.threads), *(["--ablation"] if args.ablation else []),
+                 *(["--haystack", *args.haystack] if args.haystack else [])]
     measurements = []
     for case in cases:
         completed = subprocess.run([sys.executable, __file__, *forwarded, "--case", case], capture_output=True,
@@ -161,7 +165,8 @@ def main() -> int:
               f"{m['peak_memory_mb']:>8} {m.get('generate_peak_above_mb', '-'):>18}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"model": args.model, "measurements": measurements}, indent=2) + "\n")
+        report = {"model": args.model, "haystack": args.haystack, "measurements": measurements}
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
 

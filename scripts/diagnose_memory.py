@@ -29,6 +29,8 @@ def main() -> int:
     parser.add_argument("--length", default="8192", help="input tokens of the generated rows (e.g. 8192 or 8k)")
     parser.add_argument("--num-rows", type=int, default=8)
     parser.add_argument("--seed", type=int, default=11, help="generation seed; use one the training data did not")
+    parser.add_argument("--haystack", nargs="+", default=None,
+                        help="haystack text files or folders (default: the generator's built-in prose)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--output", required=True, help="folder for memory_diagnostics.json and .png")
     args = parser.parse_args()
@@ -38,7 +40,8 @@ def main() -> int:
     folder = prepare_output_dir(args.output, ("memory_diagnostics.json", "memory_diagnostics.png"))
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model_for_eval(args.model, args.memory)
-    rows = generate_babilong(args.task, args.num_rows, length, tokenizer, seed=args.seed)
+    rows = generate_babilong(args.task, args.num_rows, length, tokenizer, seed=args.seed,
+                            haystack_files=args.haystack)
     diagnostics = diagnose_memory(model, tokenizer, rows, task=args.task)
     for layer, summary in diagnostics["layers"].items():
         print(f"memory layer {layer}, {diagnostics['num_rows']} rows of {length} tokens "

@@ -45,6 +45,7 @@ from titans_hf.tasks.babilong import (
     random_question,
     write_babilong_json,
 )
+from titans_hf.tasks.babilong.generate import read_haystack_sentences
 from titans_hf.tasks.babilong.evaluation import (
     DISTANCE_PLOT_NAME,
     OUTPUT_NAMES as EVALUATION_OUTPUT_NAMES,
@@ -145,13 +146,46 @@ def domain_documents(task: str, num_documents: int, characters: int = 400, entit
     return documents
 
 
-def build_demo_tokenizer(out_dir: str | Path, vocab_size: int = 1024, seed: int = 0):
+def prose_excerpts(haystacks: tuple[str, ...], count: int, characters: int = 400, seed: int = 0) -> list[str]:
+    """`count` excerpts of about `characters` characters of the haystack sources' sentences (task words dropped),
+    taken in turn from each source at seeded random places."""
+    if not haystacks or count <= 0:
+        return []
+    rng = random.Random(f"titans_hf.demo.prose:{seed}")
+    sources = [read_haystack_sentences([source]) for source in haystacks]
+    excerpts = []
+    for index in range(count):
+        sentences = sources[index % len(sources)]
+        start, parts = rng.randrange(len(sentences)), []
+        while len(" ".join(parts)) < characters:
+            parts.append(sentences[start % len(sentences)])
+            start += 1
+        excerpts.append(" ".join(parts))
+    return excerpts
+
+
+def mixed_haystack_rows(task: str, num_samples: int, length: int, tokenizer, seed: int,
+                        haystacks: tuple[str, ...] = ()) -> list[dict[str, str]]:
+    """BABILong rows whose haystacks are shared out between the built-in prose and each of `haystacks` (files or
+    folders), in equal parts, in seeded order; without `haystacks`, `generate_babilong`'s rows as they are."""
+    sources: list[str | None] = [None, *haystacks]
+    rows = []
+    for index, source in enumerate(sources):
+        share = num_samples // len(sources) + (index < num_samples % len(sources))
+        rows += generate_babilong(task, share, length, tokenizer, seed=seed + 7919 * index,
+                                  haystack_files=None if source is None else [source])
+    if haystacks:
+        random.Random(seed).shuffle(rows)
+    return rows
+
+
+def build_demo_tokenizer(out_dir: str | Path, vocab_size: int = 1024, seed: int = 0, haystacks: tuple[str, ...] = ()):
     """A byte-level BPE tokenizer trained on the demo's own kind of text.
 
     Every actor, location, object and question word is one token: the memory then binds one token to one token,
     and a place is one answer token.
     """
-    texts = domain_documents("qa2", 2000, seed=seed)
+    texts = domain_documents("qa2", 2000, seed=seed) + prose_excerpts(haystacks, 1000, seed=seed)
     # every fact of every task and every entity sentence, so none of their words is split
     texts += [f"{actor} {verb} the {location}." for actor in ACTORS for verb in MOVE_VERBS for location in LOCATIONS]
     texts += [f"{actor} took the {obj}." for actor in ACTORS for obj in OBJECTS]
@@ -170,6 +204,7 @@ def pretrain_base(
     haystack_lengths: tuple[int, ...] = (0, 96),
     entity_share: float = 0.5,
     seed: int = 0,
+    haystacks: tuple[str, ...] = (),
     show_progress: bool = True,
 ) -> dict[str, Any]:
     """Stage a: train a small Qwen3 on `domain_documents` as an ordinary causal LM with full attention, with the
@@ -181,10 +216,11 @@ def pretrain_base(
     # about one row in two a document, the rest BABILong rows with their answers (`haystack_lengths`: bare stories
     # and stories in a short haystack)
     rows_needed = steps * batch_size
-    documents = domain_documents(task, rows_needed // 2, entity_share=entity_share, seed=seed)
+    prose = prose_excerpts(haystacks, rows_needed // 6, seed=seed)
+    documents = domain_documents(task, rows_needed // 2 - len(prose), entity_share=entity_share, seed=seed) + prose
     for index, length in enumerate(haystack_lengths):
-        rows = generate_babilong(task, rows_needed // (2 * len(haystack_lengths)), length, tokenizer,
-                                 seed=10_000 + 10 * seed + index)
+        rows = mixed_haystack_rows(task, rows_needed // (2 * len(haystack_lengths)), length, tokenizer,
+                                   seed=10_000 + 10 * seed + index, haystacks=haystacks if length else ())
         documents += [PROMPT_TEMPLATE.format(**row) + f" {row['target']}" for row in rows]
     random.Random(seed).shuffle(documents)
     losses = pretrain_causal_lm(model, tokenizer, documents, base_dir, steps, batch_size=batch_size,
@@ -298,6 +334,8 @@ def run_demo(
     max_steps: int = -1,
     staged_curriculum: bool = True,
     state_passing: float = 0.5,
+    haystacks: tuple[str, ...] = (),
+    pretrain_haystacks: bool = True,
     overwrite: bool = False,
     show_progress: bool = True,
 ) -> dict[str, Any]:
@@ -332,12 +370,13 @@ def run_demo(
 
         # ---- stage a: the stand-in base ----
         if model is None:
-            tokenizer = build_demo_tokenizer(base_dir, seed=seed)
+            prose = haystacks if pretrain_haystacks else ()
+            tokenizer = build_demo_tokenizer(base_dir, seed=seed, haystacks=prose)
             # whatever stage b trains on
-            haystacks = (0, PRETRAIN_HAYSTACK_CHUNKS[task] * chunk_size)
+            lengths = (0, PRETRAIN_HAYSTACK_CHUNKS[task] * chunk_size)
             run_info["pretraining"] = pretrain_base(base_dir, tokenizer, task=task, steps=pretrain_steps,
-                                                    haystack_lengths=haystacks, entity_share=entity_share, seed=seed,
-                                                    show_progress=show_progress)
+                                                    haystack_lengths=lengths, entity_share=entity_share, seed=seed,
+                                                    haystacks=prose, show_progress=show_progress)
             base = str(base_dir)
             timings["stage_a_s"] = time.time() - started
             logger.info("stage a: stand-in base pretrained in %.0fs (%d steps), saved to %s", timings["stage_a_s"],
@@ -357,8 +396,8 @@ def run_demo(
         hashes_before = {file.name: file_sha256(file) for file in base_files}
         train_lengths = [chunks * chunk_size for chunks in train_chunks]
         eval_lengths = [chunks * chunk_size for chunks in eval_chunks]
-        train_rows = {length: generate_babilong(task, num_train_samples, length, tokenizer,
-                                                seed=1000 * seed + 100 + index)
+        train_rows = {length: mixed_haystack_rows(task, num_train_samples, length, tokenizer,
+                                                  seed=1000 * seed + 100 + index, haystacks=haystacks)
                       for index, length in enumerate(train_lengths)}
         data_files = write_training_files(data_dir, train_rows, task)
         # curriculum: the shortest rows first (bare stories of one chunk), then every row, or with `staged_curriculum`
@@ -434,6 +473,7 @@ def run_demo(
             "batch_size": batch_size,
             "learning_rate": learning_rate,
             "state_passing": state_passing,
+            "haystacks": list(haystacks),
             "write_cost_growth": [training_args.write_cost_growth, training_args.write_cost_growth_span],
             "threads": torch.get_num_threads(),
             "timings": {key: round(value, 1) for key, value in timings.items()},

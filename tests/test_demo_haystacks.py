@@ -1,0 +1,47 @@
+"""The demo's haystack sources: training rows shared out between the built-in prose and each source, and prose
+excerpts for the toy base's pretraining, taken from each source in turn."""
+
+from __future__ import annotations
+
+from transformers import AutoTokenizer
+
+from titans_hf.commands.demo_job import mixed_haystack_rows, prose_excerpts
+from titans_hf.tasks.babilong import generate_babilong
+
+RIVER = "The river ran fast under the stone bridge. A heron stood in the reeds by the bank. " * 40
+LEDGER = "The clerk added the columns twice before noon. Every receipt was filed under its month. " * 40
+
+
+def sources(tmp_path) -> tuple[str, str]:
+    (tmp_path / "river.txt").write_text(RIVER, encoding="utf-8")
+    (tmp_path / "ledger.txt").write_text(LEDGER, encoding="utf-8")
+    return str(tmp_path / "river.txt"), str(tmp_path / "ledger.txt")
+
+
+def test_rows_are_shared_out_between_the_built_in_prose_and_each_source(tiny_tokenizer_dir, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    river, ledger = sources(tmp_path)
+    rows = mixed_haystack_rows("qa1", 7, 120, tokenizer, seed=3, haystacks=(river, ledger))
+    kinds = ["river" if "heron" in row["input"] else "ledger" if "clerk" in row["input"] else "built-in"
+             for row in rows]
+    # 7 rows over three sources: 3, 2, 2 (the first sources take the remainder)
+    assert sorted(kinds) == ["built-in"] * 3 + ["ledger"] * 2 + ["river"] * 2
+    assert not any("heron" in row["input"] and "clerk" in row["input"] for row in rows)
+    # the built-in share is the generator's own rows of that seed
+    built_in = [row for row, kind in zip(rows, kinds) if kind == "built-in"]
+    assert sorted(built_in, key=str) == sorted(generate_babilong("qa1", 3, 120, tokenizer, seed=3), key=str)
+    assert mixed_haystack_rows("qa1", 7, 120, tokenizer, seed=3, haystacks=(river, ledger)) == rows  # seeded
+
+
+def test_without_sources_the_rows_are_the_generators_in_its_order(tiny_tokenizer_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    assert mixed_haystack_rows("qa1", 5, 120, tokenizer, seed=4) == generate_babilong("qa1", 5, 120, tokenizer, seed=4)
+
+
+def test_prose_excerpts_take_each_source_in_turn(tmp_path):
+    river, ledger = sources(tmp_path)
+    excerpts = prose_excerpts((river, ledger), 4, characters=100, seed=1)
+    assert ["heron" in e or "bridge" in e for e in excerpts] == [True, False, True, False]
+    assert ["clerk" in e or "receipt" in e for e in excerpts] == [False, True, False, True]
+    assert all(len(e) >= 100 for e in excerpts)
+    assert prose_excerpts((), 4) == [] and prose_excerpts((river,), 0) == []
