@@ -1,11 +1,11 @@
-"""What a local base's fingerprint costs: the full one (`titans_hf.modeling.memory_folder.base_fingerprint`: every byte of the weights,
-config and tokenizer files) beside the sampled one it replaced (4 KiB at the start, middle and end of each tensor).
+"""What a local base's fingerprint costs (`titans_hf.modeling.memory_folder.base_fingerprint`: every byte of the
+weights, config and tokenizer files).
 
 A folder the size of a 0.5B-parameter model is built in a temporary folder: `--params` random bf16 values in
 safetensors files of Qwen2.5-0.5B's proportions (an embedding, then the layers' weights), a config.json and a
-tokenizer.json of `--tokenizer-mb` MB. Each fingerprint runs `--rounds` times over it, the first after the folder was
+tokenizer.json of `--tokenizer-mb` MB. The fingerprint runs `--rounds` times over it, the first after the folder was
 just written (so from the page cache, as a base that was just loaded or downloaded is); the table gives the median
-seconds, MB/s over the folder's bytes and the ratio. With `--json`, writes it.
+seconds and MB/s over the folder's bytes. With `--json`, writes it.
 
     python scripts/bench_fingerprint.py
     python scripts/bench_fingerprint.py --params 494000000 --rounds 3 --json bench_results/fingerprint.json
@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from titans_hf.modeling.memory_folder import _sampled_base_fingerprint, base_fingerprint  # noqa: E402
+from titans_hf.modeling.memory_folder import base_fingerprint  # noqa: E402
 
 
 def build_folder(folder: Path, params: int, tokenizer_mb: int, seed: int = 0) -> int:
@@ -58,27 +58,21 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench_fingerprint_") as name:
         folder = Path(name)
         size = build_folder(folder, args.params, args.tokenizer_mb)
-        rows = []
-        for label, fingerprint in (("sampled (before)", _sampled_base_fingerprint), ("full", base_fingerprint)):
-            seconds = []
-            for _ in range(args.rounds):
-                start = time.perf_counter()
-                fingerprint(folder)
-                seconds.append(time.perf_counter() - start)
-            median = statistics.median(seconds)
-            rows.append({"fingerprint": label, "median_s": median, "rounds_s": seconds,
-                         "mb_per_s": size / 1e6 / median})
-    ratio = rows[1]["median_s"] / rows[0]["median_s"]
+        seconds = []
+        for _ in range(args.rounds):
+            start = time.perf_counter()
+            base_fingerprint(folder)
+            seconds.append(time.perf_counter() - start)
+    median = statistics.median(seconds)
+    row = {"fingerprint": "full", "median_s": median, "rounds_s": seconds, "mb_per_s": size / 1e6 / median}
     print(f"folder: {size / 1e6:.0f} MB ({args.params:,} bf16 values, tokenizer.json {args.tokenizer_mb} MB), "
           f"{args.rounds} rounds, page cache")
     print(f"{'fingerprint':<18} {'median s':>10} {'MB/s':>10}")
-    for row in rows:
-        print(f"{row['fingerprint']:<18} {row['median_s']:>10.4f} {row['mb_per_s']:>10.0f}")
-    print(f"full / sampled: {ratio:.0f}x")
+    print(f"{row['fingerprint']:<18} {row['median_s']:>10.4f} {row['mb_per_s']:>10.0f}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"folder_bytes": size, "params": args.params, "rounds": args.rounds,
-                                         "rows": rows, "ratio": ratio, "machine": platform.platform(),
+                                         "rows": [row], "machine": platform.platform(),
                                          "processor": platform.processor()}, indent=2) + "\n")
     return 0
 

@@ -1,4 +1,5 @@
-"""NeuralMemory vs titans-pytorch 0.5.5 on the same math, side by side in one run.
+"""NeuralMemory vs titans-pytorch 0.5.5 on the same math, side by side in one run; and the delta rule's op against the
+field's torch reference, transformers' `torch_chunk_gated_delta_rule` (Qwen3-Next's fallback where fla is absent).
 
 Both: multi-head memory (heads x 64), 2-layer MLP memory with expansion 4, update chunk 64, inner gradient point
 refreshed every chunk (titans-pytorch `batch_size=64`), surprise clipped to norm 1, max lr 0.1. Every case runs in a
@@ -8,9 +9,17 @@ Matmul FLOPs are counted analytically from the shapes (the same count for both, 
 FLOP/s compares like with like). Other processes sharing the cores make timings noisy: read the ratios, which are
 measured in the same minute.
 
+The delta rule (`--delta-rule`): `ops.delta`, the op a delta-rule NeuralMemory binds, against
+`torch_chunk_gated_delta_rule` at the same shapes (one row, 4096 tokens, chunks of 64; heads x head size 14 x 64 and
+4 x 16), forward+backward of the reads and the final state, fp32, one thread, the two alternated in one process, best
+of --repeats rounds. Both are chunkwise WY solvers of the delta rule with a decay; the reference also reads within
+its chunk (an attention-like product per chunk) and ours caps the state's norm per chunk, so the work is alike but
+not the same.
+
     python scripts/bench_memory.py --quick
     python scripts/bench_memory.py --json bench_memory.json [--threads 1]
     python scripts/bench_memory.py --device cuda --dtype bfloat16 --cases d896-32k   # on a GPU machine
+    python scripts/bench_memory.py --delta-rule [--quick] --json bench_delta_rule.json
 """
 
 from __future__ import annotations
@@ -32,6 +41,9 @@ CASES = {
 HEAD_DIM, EXPANSION, CHUNK = 64, 4, 64
 IMPLS = ("titans_hf", "titans_pytorch")
 MODES = ("forward", "forward+backward")
+DELTA_RULE_CASES = {"h14x64-4k": dict(heads=14, head_dim=64, tokens=4096),
+                    "h4x16-4k": dict(heads=4, head_dim=16, tokens=4096)}
+DELTA_RULE_IMPLS = ("ops.delta", "torch_chunk_gated_delta_rule")
 
 
 def matmul_flops(dim: int, heads: int, tokens: int, backward: bool) -> float:
@@ -48,8 +60,8 @@ def build(impl: str, dim: int, heads: int):
     if impl == "titans_hf":
         from titans_hf.modeling.memory import NeuralMemory
 
-        return NeuralMemory(dim, heads, HEAD_DIM, depth=2, expansion=EXPANSION, conv_kernel=4, chunk_size=CHUNK,
-                            batch_size=CHUNK, max_lr=0.1, max_surprise_norm=1.0)
+        return NeuralMemory(dim, heads, HEAD_DIM, memory_depth=2, memory_expansion=EXPANSION, conv_kernel=4,
+                            memory_chunk_size=CHUNK, memory_batch_size=CHUNK, max_lr=0.1, max_surprise_norm=1.0)
     from titans_pytorch import MemoryMLP
     from titans_pytorch import NeuralMemory as ReferenceMemory
 
@@ -155,10 +167,92 @@ def run_case(spec: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _delta_rule_runs(heads: int, head_dim: int, tokens: int) -> dict:
+    """One forward+backward of each delta-rule implementation on the same random inputs (unit keys and queries, a
+    step beta in (0, 1) per token, a decay near 1, an initial state that trains), as closures."""
+    import torch
+    import torch.nn.functional as F
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    from titans_hf.modeling.memory import NeuralMemory
+
+    memory = NeuralMemory(heads * head_dim, heads, head_dim, memory_depth=1, memory_chunk_size=CHUNK, max_lr=0.5,
+                          update_rule="delta", max_memory_norm=4 * head_dim**0.5)
+    generator = torch.Generator().manual_seed(0)
+    random = lambda *shape: torch.randn(*shape, generator=generator)  # noqa: E731
+    chunks = tokens // CHUNK
+    q, k = (F.normalize(random(heads, tokens, head_dim), dim=-1) for _ in range(2))
+    v = random(heads, tokens, head_dim)
+    beta = torch.sigmoid(random(heads, tokens))
+    decay = torch.full((heads, chunks), -1e-3)  # log of the kept share per chunk
+    state = 0.1 * random(heads, head_dim, head_dim)
+    leaves = [t.requires_grad_() for t in (q, k, v, beta, decay, state)]
+
+    def ours():
+        keeps = decay.exp().view(heads, chunks, 1, 1).unbind(1)
+        W = state
+        reads, (W,), _, _ = memory.update_op(q, k, v, beta, keeps, keeps, [None] * chunks, [W],  # etas: unused
+                                             [torch.zeros_like(W)], [W], 0, memory.update_settings)
+        (reads.square().mean() + W.square().mean()).backward()
+
+    def theirs():
+        per_token = (decay / CHUNK).repeat_interleave(CHUNK, dim=1)  # the same decay over a chunk, token by token
+        as_rows = lambda t: t.transpose(0, 1).unsqueeze(0)  # noqa: E731  [heads, T, ...] -> [1, T, heads, ...]
+        reads, W = torch_chunk_gated_delta_rule(as_rows(q), as_rows(k), as_rows(v), as_rows(per_token),
+                                                as_rows(beta), chunk_size=CHUNK, initial_state=state.unsqueeze(0),
+                                                output_final_state=True)
+        (reads.square().mean() + W.square().mean()).backward()
+
+    def clearing(run):
+        def timed():
+            run()
+            for leaf in leaves:
+                leaf.grad = None
+        return timed
+
+    return {"ops.delta": clearing(ours), "torch_chunk_gated_delta_rule": clearing(theirs)}
+
+
+def delta_rule_bench(repeats: int, json_path: Path | None) -> None:
+    """`ops.delta` against `torch_chunk_gated_delta_rule`, forward+backward, one thread: a table and, with
+    `json_path`, its figures."""
+    import torch
+
+    torch.set_num_threads(1)
+    results = []
+    for name, case in DELTA_RULE_CASES.items():
+        runs = _delta_rule_runs(**case)
+        times = {impl: [] for impl in runs}
+        for run in runs.values():
+            run()  # warm-up
+        for _ in range(repeats):
+            for impl, run in runs.items():
+                start = time.perf_counter()
+                run()
+                times[impl].append(time.perf_counter() - start)
+        seconds = {impl: min(t) for impl, t in times.items()}
+        results.append(dict(case=name, **case, chunk=CHUNK, seconds=seconds,
+                            theirs_over_ours=seconds["torch_chunk_gated_delta_rule"] / seconds["ops.delta"]))
+    print(f"\ndelta rule, forward+backward, 1 thread, fp32, chunks of {CHUNK}, best of {repeats}; ratio > 1: ops.delta "
+          "is faster")
+    print(f"{'case':<10} {'ops.delta s':>12} {'torch_chunk_gated_delta_rule s':>31} {'ratio':>7}")
+    for res in results:
+        print(f"{res['case']:<10} {res['seconds']['ops.delta']:>12.4f} "
+              f"{res['seconds']['torch_chunk_gated_delta_rule']:>31.4f} {res['theirs_over_ours']:>6.2f}x")
+    if json_path:
+        tmp = json_path.with_suffix(json_path.suffix + ".tmp")
+        tmp.write_text(json.dumps(dict(bench="delta_rule", threads=1, device="cpu", dtype="float32", repeats=repeats,
+                                       torch=torch.__version__, results=results), indent=2))
+        tmp.replace(json_path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
-                        help="d256-2k forward+backward only, two timed rounds (< 1 minute)")
+                        help="d256-2k forward+backward only, two timed rounds (< 1 minute); with --delta-rule, two "
+                             "timed rounds")
+    parser.add_argument("--delta-rule", action="store_true",
+                        help="time ops.delta against transformers' torch_chunk_gated_delta_rule instead (1 thread)")
     parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=["d256-2k", "d256-8k", "d896-4k"])
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--repeats", type=int, default=3)
@@ -169,6 +263,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
+        return
+    if args.delta_rule:
+        delta_rule_bench(2 if args.quick else args.repeats, args.json)
         return
     modes = MODES
     if args.quick:

@@ -1,11 +1,11 @@
 """NeuralMemory speed per memory model, optionally against another copy of memory.py, in one process.
 
-Times `NeuralMemory(hidden, heads, head_dim, depth, chunk_size=chunk, batch_size=memory_batch)` on `tokens` random
-tokens, forward (no grad) and forward+backward, for each depth x chunk case. Without --memory-batch every chunk
-takes the fused step where the model has one; with it, the memory-batch path. --generic adds `mlp-autograd`, the
-MLP with only its forward (inner gradients by autograd): what a model without written-out gradients costs. Within a
-case the implementations alternate round by round and the best round counts, so the ratios compare code measured
-in the same minutes on the same cores.
+Times `NeuralMemory(hidden, heads, head_dim, depth, memory_chunk_size=chunk, memory_batch_size=memory_batch)` on
+`tokens` random tokens, forward (no grad) and forward+backward, for each depth x chunk case. Without --memory-batch
+every chunk takes the fused step where the model has one; with it, the memory-batch path. --generic adds
+`mlp-autograd`, the MLP with only its forward (inner gradients by autograd): what a model without written-out
+gradients costs. Within a case the implementations alternate round by round and the best round counts, so the ratios
+compare code measured in the same minutes on the same cores.
 
     python scripts/bench_memory_models.py                                # the package's memory models
     python scripts/bench_memory_models.py --baseline /tmp/memory_old.py  # plus an older memory.py, side by side
@@ -50,8 +50,8 @@ def load_module(path: Path, name: str) -> ModuleType:
 
 def build(impl: str, baseline: ModuleType | None, args: argparse.Namespace, depth: int, chunk: int) -> torch.nn.Module:
     torch.manual_seed(0)
-    common = dict(depth=depth, expansion=args.expansion, chunk_size=chunk,
-                  batch_size=None if args.memory_batch is None else max(args.memory_batch, chunk))
+    common = dict(memory_depth=depth, memory_expansion=args.expansion, memory_chunk_size=chunk,
+                  memory_batch_size=None if args.memory_batch is None else max(args.memory_batch, chunk))
     if impl == "baseline":
         return baseline.NeuralMemory(args.hidden, args.heads, args.head_dim, **common)
     return memory.NeuralMemory(args.hidden, args.heads, args.head_dim, memory_model=impl, **common)
@@ -73,8 +73,9 @@ def main() -> None:
     names = sorted(memory.MEMORY_MODELS)
     parser.add_argument("--models", nargs="+", default=names, choices=names)
     parser.add_argument("--generic", action="store_true", help="also time the MLP through the autograd path")
-    parser.add_argument("--baseline", type=Path, help="another memory.py to time beside the package's")
-    parser.add_argument("--memory-batch", type=int, help="NeuralMemory batch_size (a multiple of each chunk)")
+    parser.add_argument("--baseline", type=Path, help="another memory.py to time beside the package's (loaded in "
+                        "titans_hf.modeling, where its relative imports resolve; NeuralMemory's arguments as now)")
+    parser.add_argument("--memory-batch", type=int, help="NeuralMemory memory_batch_size (a multiple of each chunk)")
     parser.add_argument("--depths", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--chunks", type=int, nargs="+", default=[64, 8])
     parser.add_argument("--hidden", type=int, default=256)
@@ -88,7 +89,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    baseline = load_module(args.baseline, "baseline_memory") if args.baseline else None
+    baseline = load_module(args.baseline, "titans_hf.modeling.baseline_memory") if args.baseline else None
     if args.generic:
         memory.MEMORY_MODELS["mlp-autograd"] = AutogradMLP
     impls = (["baseline"] if baseline else []) + args.models + (["mlp-autograd"] if args.generic else [])

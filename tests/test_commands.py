@@ -120,7 +120,7 @@ def test_the_readme_32k_recipe_trains_the_measured_memory(tiny_qwen3_dir):
     model = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, **{**config.memory_settings(), "chunk_size": 64})
     assert model.config.memory_config.write_cost == 1.0
     memory = model.model.memory[str(model.config.memory_config.memory_layers[0])].neural_memory
-    theta_bias, _, forget_bias = memory.to_gates.bias.view(3, memory.num_heads)
+    theta_bias, _, forget_bias = memory.to_gates.bias.view(3, memory.memory_num_heads)
     assert theta_bias.eq(-6.0).all() and forget_bias.eq(-30.0).all()
     assert (memory.update_rule, memory.max_lr, memory.max_memory_norm) == ("delta", 0.5, 4 * 64**0.5)  # 4 sqrt(d), d = 64
 
@@ -147,9 +147,12 @@ def test_the_write_cost_defaults_to_what_each_rule_was_measured_with():
     saved = TitansMemoryConfig().to_dict()
     assert saved["write_cost"] == 1.0
     assert TitansMemoryConfig.from_dict(saved).write_cost == 1.0
-    # a memory saved before the write cost existed trains on as it was trained: without one
+    # a memory saved before the write cost existed (and before format_version) is from before the first release:
+    # refused, not read with the write cost it trained without
     before = {name: value for name, value in saved.items() if name not in ("write_cost", "format_version")}
-    assert TitansMemoryConfig.from_dict(before).write_cost == 0.0
+    with pytest.raises(ValueError, match=r"no format_version: the memory config is from before titans_hf's first "
+                                         r"release \(0\.3\.0\)"):
+        TitansMemoryConfig.from_dict(before)
     assert TitansMemoryConfig.from_dict({"chunk_size": 64}).write_cost == 1.0  # settings, not a saved config
     for bad in (-1.0, float("nan"), True, "1"):
         with pytest.raises(ValueError, match=r"write_cost=.* must be"):

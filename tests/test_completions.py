@@ -17,8 +17,7 @@ from titans_hf.commands import main as cli_main
 from titans_hf.data.collator import CompletionsCollator
 from titans_hf.data.prepare import prepare
 from titans_hf.modeling import TitansQwenForCausalLM
-from titans_hf.modeling.loading_titans_qwen import is_memory_name
-from titans_hf.modeling.memory_folder import MEMORY_WEIGHTS_NAME
+from titans_hf.modeling.memory_folder import MEMORY_WEIGHTS_NAME, is_memory_name
 from titans_hf.training import TitansTrainer, TitansTrainingArguments
 from titans_hf.training.preference import completions_loss, group_advantages
 

@@ -3,9 +3,8 @@
 A local base is recorded by a fingerprint of every byte of its weights, its config, generation config, tokenizer
 files and chat templates, so a base with another tokenizer of the same size, another chat template or generation
 defaults, or with a few edited embedding rows, is not the base a memory was trained on, and a memory config that
-records no fingerprint for its local base is refused; a memory that recorded an earlier, sampled fingerprint still
-loads, with a warning that says what it covers, and is re-recorded in full when saved again. A token store that
-records no tokenizer fingerprint is refused as one that records another is.
+records no fingerprint for its local base, or one of another form (the sampled one of development versions), is
+refused. A token store that records no tokenizer fingerprint is refused as one that records another is.
 
 Each test checksums what it hands in and checks it is unchanged afterwards.
 """
@@ -14,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import re
 import shutil
 from pathlib import Path
@@ -26,7 +24,7 @@ from transformers import AutoTokenizer
 from titans_hf.data.prepare import prepare
 from titans_hf.data.tokens_builder import check_stores_tokenizer
 from titans_hf.modeling import TitansQwenForCausalLM
-from titans_hf.modeling.memory_folder import _legacy_base_fingerprint, _sampled_base_fingerprint, base_fingerprint
+from titans_hf.modeling.memory_folder import base_fingerprint
 from titans_hf.testing_utils import build_tokenizer
 
 
@@ -60,8 +58,9 @@ def other_tokenizer_of_the_same_size(base: Path, folder: Path) -> None:
 
 
 def edit_embedding_rows(base: Path) -> None:
-    """Move 160 rows of the input embeddings, none of them in the 4 KiB blocks at the start, middle or end of the
-    tensor that the sampled fingerprint reads (rows 0-15, 248-263 and 496-511 of 512 rows of 64 floats)."""
+    """Move 160 rows of the input embeddings (rows 40-199 of 512 rows of 64 floats), none of them at the start,
+    middle or end of the tensor (rows 0-15, 248-263 and 496-511), where a fingerprint that samples a tensor's bytes
+    would look."""
     weights = load_file(base / "model.safetensors")
     embeddings = weights["model.embed_tokens.weight"].clone()
     assert embeddings.shape == (512, 64)
@@ -76,12 +75,10 @@ def test_a_base_with_another_tokenizer_or_edited_embedding_rows_is_not_the_recor
     memory = memory_on(local_base, tmp_path / "memory")
     recorded = json.loads((memory / "memory_config.json").read_text())["base_fingerprint"]
     assert recorded == base_fingerprint(local_base)
-    sampled = _sampled_base_fingerprint(local_base)
     if change == "tokenizer":
         other_tokenizer_of_the_same_size(local_base, tmp_path / "other_tokenizer")
     else:
         edit_embedding_rows(local_base)
-    assert _sampled_base_fingerprint(local_base) == sampled  # what the sampled fingerprint could not see
     assert base_fingerprint(local_base) != recorded
     before = checksums(memory, local_base)
     with pytest.raises(ValueError, match=rf"{memory}: its memory config names the local base {local_base}, but the "
@@ -127,10 +124,11 @@ def test_a_base_with_another_chat_template_or_generation_config_is_not_the_recor
 @pytest.mark.parametrize("removed", ["null", "deleted from a config of no format_version", "deleted"])
 def test_a_memory_config_without_the_fingerprint_of_its_local_base_is_refused_naming_file_and_field(local_base,
                                                                                                    tmp_path, removed):
-    """from_base records a fingerprint for every local base; a config without one (null, or deleted from a config
-    whose missing fields take defaults) would load on any model of the same shape at that path, so it is refused,
-    naming memory_config.json and the field. (Deleted from a config of the current format, the field is refused as
-    missing when the config is read.) The base given explicitly still loads the memory."""
+    """from_base records a fingerprint for every local base; a config without one (null) would load on any model of
+    the same shape at that path, so it is refused, naming memory_config.json and the field; the base given explicitly
+    still loads the memory. Deleted from a config of the current format, the field is refused as missing when the
+    config is read; from a config of no format_version (from before titans_hf's first release, whose missing fields
+    took defaults), the config itself is refused, the base given explicitly or not."""
     memory = memory_on(local_base, tmp_path / "memory")
     config_path = memory / "memory_config.json"
     config = json.loads(config_path.read_text())
@@ -143,14 +141,21 @@ def test_a_memory_config_without_the_fingerprint_of_its_local_base_is_refused_na
             config.pop("format_version", None)
     config_path.write_text(json.dumps(config))
     before = checksums(memory, local_base)
-    message = (rf"^{re.escape(str(config_path))}: .*base_fingerprint" if removed == "deleted" else
-               rf"^{re.escape(str(config_path))}: names the local base {re.escape(str(local_base))} but records no "
-               r"base_fingerprint, so nothing shows that the model there is the one the memory was trained on")
+    message = {
+        "null": rf"^{re.escape(str(config_path))}: names the local base {re.escape(str(local_base))} but records no "
+                r"base_fingerprint, so nothing shows that the model there is the one the memory was trained on",
+        "deleted": rf"^{re.escape(str(config_path))}: .*base_fingerprint",
+        "deleted from a config of no format_version": rf"^{re.escape(str(config_path))}: no format_version: the "
+                                                      r"memory config is from before titans_hf's first release",
+    }[removed]
     with pytest.raises(ValueError, match=message):
         TitansQwenForCausalLM.from_pretrained(memory)
-    if removed != "deleted":
+    if removed == "null":
         model = TitansQwenForCausalLM.from_base_and_memory(local_base, memory)
         assert model.config.memory_config.base_fingerprint is None
+    elif removed != "deleted":
+        with pytest.raises(ValueError, match=message):
+            TitansQwenForCausalLM.from_base_and_memory(local_base, memory)
     assert checksums(memory, local_base) == before
 
 
@@ -170,37 +175,34 @@ def test_the_base_fingerprint_frames_each_file_by_name_and_size(tmp_path):
     assert all(len(value) == 64 for value in folders.values())
 
 
-@pytest.mark.parametrize("older", [_sampled_base_fingerprint, _legacy_base_fingerprint])
-def test_a_memory_with_a_sampled_fingerprint_loads_with_a_warning_and_is_re_recorded_in_full(local_base, tmp_path,
-                                                                                             caplog, older):
+def fingerprint_of_development_versions(folder: Path) -> str:
+    """The sampled fingerprint development versions of titans_hf (up to 0.3) recorded: config.json, and per
+    safetensors file its name, size, header and 16 blocks of 64 KiB spread over it."""
+    digest = hashlib.sha256((folder / "config.json").read_bytes())
+    for path in sorted(folder.glob("*.safetensors")):
+        data = path.read_bytes()
+        digest.update(f"{path.name}:{len(data)}".encode())
+        digest.update(data[:8 + int.from_bytes(data[:8], "little")])
+        for index in range(16):
+            start = len(data) * index // 16
+            digest.update(data[start:start + (1 << 16)])
+    return digest.hexdigest()
+
+
+def test_a_fingerprint_of_another_form_is_refused_even_where_the_base_matches_it(local_base, tmp_path):
+    """One fingerprint, the full one: a memory config recording the sampled form of development versions, which the
+    unchanged base still matches, is refused as a base that is not the recorded one is, naming both."""
     memory = memory_on(local_base, tmp_path / "memory")
     config_path = memory / "memory_config.json"
     config = json.loads(config_path.read_text())
-    full = config["base_fingerprint"]
-    config_path.write_text(json.dumps({**config, "base_fingerprint": older(local_base)}))  # as a release before
+    assert config["base_fingerprint"] == base_fingerprint(local_base)
+    sampled = fingerprint_of_development_versions(local_base)
+    assert sampled != base_fingerprint(local_base)
+    config_path.write_text(json.dumps({**config, "base_fingerprint": sampled}))
     before = checksums(memory, local_base)
-    with caplog.at_level(logging.WARNING, logger="titans_hf.modeling.memory_folder"):
-        model = TitansQwenForCausalLM.from_pretrained(memory)
-    assert checksums(memory, local_base) == before
-    [warning] = [record.getMessage() for record in caplog.records if "base_fingerprint" in record.getMessage()]
-    assert f"{memory}: its memory config records a base_fingerprint of an earlier titans_hf" in warning
-    assert "covers samples of the base's weights only" in warning and "save the memory again" in warning
-    assert model.config.memory_config.base_fingerprint == full
-    model.save_pretrained(tmp_path / "re_recorded")
-    assert json.loads((tmp_path / "re_recorded" / "memory_config.json").read_text())["base_fingerprint"] == full
-
-
-def test_another_base_of_the_same_shape_is_refused_under_a_sampled_fingerprint_too(local_base, tiny_qwen3_dir,
-                                                                                    tmp_path):
-    memory = memory_on(local_base, tmp_path / "memory")
-    config_path = memory / "memory_config.json"
-    config_path.write_text(json.dumps({**json.loads(config_path.read_text()),
-                                       "base_fingerprint": _sampled_base_fingerprint(local_base)}))
-    weights = load_file(local_base / "model.safetensors")
-    save_file({name: tensor + 1 for name, tensor in weights.items()}, local_base / "model.safetensors",
-              metadata={"format": "pt"})
-    before = checksums(memory, local_base)
-    with pytest.raises(ValueError, match=r"but the model there now is not the one the memory was trained on"):
+    with pytest.raises(ValueError, match=rf"{memory}: its memory config names the local base {local_base}, but the "
+                                         r"model there now is not the one the memory was trained on \(base_fingerprint "
+                                         r"differs"):
         TitansQwenForCausalLM.from_pretrained(memory)
     assert checksums(memory, local_base) == before
 

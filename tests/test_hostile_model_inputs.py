@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 
 import pytest
 import torch
@@ -21,7 +22,6 @@ from titans_hf.modeling import TitansCache, TitansQwenForCausalLM
 from titans_hf.modeling.configuration_titans_qwen import (
     MAX_GRADIENT_RULE_LR,
     MEMORY_CONFIG_FORMAT_VERSION,
-    SETTINGS_BEFORE_THEY_EXISTED,
     TitansMemoryConfig,
     read_memory_config,
 )
@@ -98,7 +98,7 @@ def saved_config(tmp_path, **settings):
     return path, json.loads(path.read_text())
 
 
-@pytest.mark.parametrize("field", [*SETTINGS_BEFORE_THEY_EXISTED, "max_lr", "base_shape"])
+@pytest.mark.parametrize("field", ["attend_previous_chunk", "update_rule", "write_cost", "max_lr", "base_shape"])
 def test_a_current_config_file_that_lost_a_field_is_refused_naming_file_and_field(tmp_path, field):
     """A delta-rule memory whose file lost update_rule loaded as the gradient rule (the defaults of files from before
     the setting existed); a file of the current format holds every field, so a missing one is refused."""
@@ -127,31 +127,47 @@ def test_the_fields_of_the_current_format_are_those_it_was_defined_with():
         "titans_hf_version"])
 
 
-def test_a_config_file_from_before_formats_were_numbered_keeps_its_old_meaning(tmp_path):
-    """Files without format_version (they carry titans_hf_version) that lack a setting were written before it
-    existed: they keep what the memory was trained with. Settings given in code take the defaults."""
-    path, values = saved_config(tmp_path)
-    later = {"theta_bias_init", "forget_bias_init", "max_memory_norm"}  # all came after attend_previous_chunk
-    older = {name: value for name, value in values.items()
-             if name not in ("format_version", *SETTINGS_BEFORE_THEY_EXISTED, *later)}
-    path.write_text(json.dumps(older))
-    config = read_memory_config(path)
-    assert (config.attend_previous_chunk, config.update_rule, config.write_cost) == (False, "gradient", 0.0)
+def test_a_config_file_from_before_the_first_release_is_refused_naming_it(tmp_path):
+    """A file without format_version is from before titans_hf's first release (0.3.0): it was read with the values
+    memories had before each setting it lacked existed; now it is refused in one line naming it, whatever it holds, and
+    left as it was. A dict of settings (no titans_hf_version: not a saved file) still takes the defaults."""
+    path, values = saved_config(tmp_path, update_rule="delta")
+    whole = {name: value for name, value in values.items() if name != "format_version"}
+    older = {name: value for name, value in whole.items() if name not in ("update_rule", "write_cost")}
+    for unnumbered in (whole, older):
+        path.write_text(json.dumps(unnumbered))
+        before = sha256(path)
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: no format_version: the memory config is "
+                                             r"from before titans_hf's first release \(0\.3\.0\),.* it must be saved "
+                                             "again"):
+            read_memory_config(path)
+        assert sha256(path) == before
     assert TitansMemoryConfig.from_dict({"chunk_size": 16}).update_rule == "delta"  # settings, not a file
 
 
-@pytest.mark.parametrize(("lost", "held"), [("update_rule", "max_memory_norm, write_cost"),
-                                            ("attend_previous_chunk", "theta_bias_init, forget_bias_init, "
-                                                                      "update_rule, max_memory_norm, write_cost")])
-def test_an_unnumbered_config_file_that_lost_a_setting_is_refused(tmp_path, lost, held):
-    """A delta-rule memory saved before format_version existed (every memory saved until then) that lost update_rule
-    still holds max_memory_norm and write_cost, which came with and after it: it did not predate the setting."""
-    path, values = saved_config(tmp_path, update_rule="delta")
-    del values["format_version"], values[lost]
-    path.write_text(json.dumps(values))
+@pytest.mark.parametrize(("settings", "message"), [
+    (dict(memory_depth=2), r"update_rule='delta' writes the linear memory token by token: it needs "
+                           r"memory_model='mlp', memory_depth=1 and no memory_batch_size \(got 'mlp', 2, None\)"),
+    (dict(memory_chunk_size=4, memory_batch_size=8), r"update_rule='delta' .* \(got 'mlp', 1, 8\)"),
+    (dict(max_lr=0.6), r"update_rule='delta' needs max_lr <= 0.5 .*got 0.6"),
+    (dict(update_rule="gradient", max_memory_norm=3.0), r"max_memory_norm bounds the delta rule's state"),
+    (dict(variant="mac"), r"variant 'mac' needs num_memory_tokens >= 1"),
+    (dict(num_persistent_tokens=2), r"num_memory_tokens / num_persistent_tokens are only used by variant 'mac', got "
+                                    r"variant='mag'"),
+    (dict(variant="memory-as-gate"), r"variant='memory-as-gate' must be one of \['mac', 'mag', 'mal'\]"),
+    (dict(memory_model="lstm"), r"memory_model='lstm' must be one of \['mlp'\]"),
+    (dict(conv_init="mean"), r"conv_init='mean' must be one of \['identity', 'window'\]"),
+])
+def test_the_limits_of_each_rule_and_variant_are_the_memory_configs_own(tmp_path, settings, message):
+    """TitansMemoryConfig checks every setting once, the update rules' and the variants' limits included (they were
+    checked only when a TitansQwenConfig or a NeuralMemory was built, so a memory config held them unchecked); a saved
+    file that breaks one is refused naming it, and left as it was."""
+    with pytest.raises(ValueError, match=message):
+        TitansMemoryConfig(**settings)
+    path, values = saved_config(tmp_path)
+    path.write_text(json.dumps({**values, **settings}))
     before = sha256(path)
-    with pytest.raises(ValueError, match=rf"^{path}: {lost} missing, though the file holds {held}, which came with "
-                                         "or after it"):
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: {message}"):
         read_memory_config(path)
     assert sha256(path) == before
 

@@ -693,13 +693,15 @@ def test_trainer_push_to_hub_pushes_the_memory_only(hub, hub_token, tiny_qwen3_d
     assert json.loads(hub.files[REPO_ID]["memory_config.json"])["base_model_name_or_path"] == "someone/tiny-qwen3"
 
 
-def test_a_memory_saved_before_attend_previous_chunk_loads_with_it_off():
-    """The window is the default for new memories; one whose config predates the setting was trained without it."""
+def test_attend_previous_chunk_is_on_for_new_memories_and_a_memory_saved_before_it_is_refused():
+    """The window is the default for new memories; a config that predates the setting predates titans_hf's first
+    release (it has no format_version), and is refused rather than read with the setting off."""
     assert TitansMemoryConfig().attend_previous_chunk is True
     assert TitansMemoryConfig.from_dict({"chunk_size": 32}).attend_previous_chunk is True  # settings, not a file
     # a file of that time: no format_version, and none of the settings added after attend_previous_chunk
     later = ("format_version", "attend_previous_chunk", "theta_bias_init", "forget_bias_init", "update_rule",
              "max_memory_norm", "write_cost")
     saved = {name: value for name, value in MEMORY_CONFIG.to_dict().items() if name not in later}
-    assert TitansMemoryConfig.from_dict(saved).attend_previous_chunk is False
-    assert TitansMemoryConfig.from_dict({**saved, "attend_previous_chunk": True}).attend_previous_chunk is True
+    with pytest.raises(ValueError, match=r"no format_version: the memory config is from before titans_hf's first "
+                                         r"release \(0\.3\.0\)"):
+        TitansMemoryConfig.from_dict(saved)

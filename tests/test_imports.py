@@ -1,7 +1,14 @@
-"""The package's import graph: one way, no circle. The model (`titans_hf.modeling`) stands alone: importing every
-module of it loads none of the Hub, LoRA, training, data or task code, nor `datasets`; the data code loads no task;
-and the module-level imports between the package's modules form no circle. The model's few call-time imports
-(pushing to the Hub, a LoRA adapter saved or loaded beside the memory) are listed, so a new one fails here."""
+"""The package's import graph: one way, no circle.
+
+Every import of every module counts, read with `ast`: at module level, inside functions (run when called) and under
+`if TYPE_CHECKING:` (read by type checkers). Over the package's modules they form no circle, but for the listed
+imports a user's call makes (`USER_CALL_IMPORTS`). The model (`titans_hf.modeling`) imports nothing of the package
+above it but those and the leaf `titans_hf.files`; its config imports no torch model code; importing every module of
+it loads none of the Hub, LoRA, training, data or task code, nor `datasets`; the data code loads no task.
+
+A module's import of a package it sits in (`titans_hf`, `titans_hf.modeling`) is no edge: the package's
+`__init__` has run before any of its modules can be imported.
+"""
 
 from __future__ import annotations
 
@@ -16,9 +23,15 @@ import titans_hf
 PACKAGE = Path(titans_hf.__file__).resolve().parent
 MODULES = sorted(".".join(("titans_hf", *path.relative_to(PACKAGE).with_suffix("").parts)).removesuffix(".__init__")
                  for path in PACKAGE.rglob("*.py") if path.name != "__main__.py")
-# What the model loads only when a method needs it: pushing to the Hub, and a LoRA adapter (PEFT) beside the memory.
-MODEL_CALL_TIME_IMPORTS = {("titans_hf.modeling.loading_titans_qwen", "titans_hf.hub"),
-                           ("titans_hf.modeling.loading_titans_qwen", "titans_hf.lora")}
+# The imports a user's call makes of code above the model, inside the one method that needs it:
+# (importing module, imported module): the call.
+USER_CALL_IMPORTS = {
+    ("titans_hf.modeling.modeling_titans_qwen", "titans_hf.hub"): "push_to_hub of the memory",
+    ("titans_hf.modeling.modeling_titans_qwen", "titans_hf.lora"): "a LoRA adapter saved or loaded beside the memory",
+}
+# The package's one leaf module: the atomic write and the file helpers, which import nothing of the package.
+LEAF = "titans_hf.files"
+CONFIG_MODULE = "titans_hf.modeling.configuration_titans_qwen"
 
 LOADED = """
 import importlib, json, sys
@@ -39,30 +52,107 @@ def module_path(name: str) -> Path:
     return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
 
 
-def imported_names(name: str, module_level: bool) -> set[str]:
-    """The titans_hf modules `name` imports: at module level (outside `if TYPE_CHECKING:`), or inside functions."""
+def imports_of(name: str) -> dict[str, str]:
+    """{titans_hf module: how `name` imports it}: "module" (at module level), "call" (inside a function, so when
+    it is called) or "type" (under `if TYPE_CHECKING:`); a module imported several ways counts as the first of
+    module, type, call. Packages `name` sits in are left out (see the module docstring)."""
     tree = ast.parse(module_path(name).read_text(encoding="utf-8"))
     package = name if module_path(name).name == "__init__.py" else name.rsplit(".", 1)[0]
-    found = set()
+    found: dict[str, str] = {}
+    rank = {"module": 0, "type": 1, "call": 2}
 
-    def visit(node: ast.AST, in_function: bool) -> None:
+    def visit(node: ast.AST, kind: str) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                for statement in child.body:  # its `else:` runs, as the code around it does
+                    visit(ast.Module(body=[statement], type_ignores=[]), "type" if kind == "module" else kind)
+                for statement in child.orelse:
+                    visit(ast.Module(body=[statement], type_ignores=[]), kind)
                 continue
-            nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
-            if isinstance(child, (ast.Import, ast.ImportFrom)) and nested != module_level:
+            child_kind = kind
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                child_kind = "call" if kind == "module" else kind
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
                 if isinstance(child, ast.Import):
                     targets = [alias.name for alias in child.names]
                 else:
                     base = package.split(".")[: len(package.split(".")) - child.level + 1] if child.level else []
                     stem = ".".join([*base, *([child.module] if child.module else [])])
                     targets = [stem, *(f"{stem}.{alias.name}" for alias in child.names)]
-                found.update(target for target in targets if target in MODULES or target == "titans_hf")
-            visit(child, nested)
+                for target in targets:
+                    if target in MODULES and target != name and not name.startswith(target + "."):
+                        if target not in found or rank[child_kind] < rank[found[target]]:
+                            found[target] = child_kind
+            visit(child, child_kind)
 
-    visit(tree, False)
-    found.discard(name)
+    visit(tree, "module")
     return found
+
+
+def import_graph() -> dict[str, dict[str, str]]:
+    return {name: imports_of(name) for name in MODULES}
+
+
+def reachable(graph: dict[str, dict[str, str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for target in graph[todo.pop()]:
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def test_imports_are_read_at_module_level_inside_functions_and_for_type_checkers():
+    graph = import_graph()
+    assert graph["titans_hf.modeling.modeling_titans_qwen"]["titans_hf.modeling.memory"] == "module"
+    assert graph["titans_hf.modeling.modeling_titans_qwen"]["titans_hf.hub"] == "call"
+    assert graph["titans_hf.lora"]["titans_hf.modeling"] == "type"
+    assert graph["titans_hf.lora"]["titans_hf.modeling.memory_folder"] == "module"
+    assert "titans_hf" not in graph["titans_hf.lora"]  # no module is imported before its own package's __init__
+
+
+def test_imports_form_no_circle_but_through_the_listed_user_calls():
+    graph = import_graph()
+    for (name, target), call in USER_CALL_IMPORTS.items():
+        assert graph[name].get(target) == "call", f"{name} -> {target} ({call}) is listed but not a call-time import"
+        del graph[name][target]
+    state: dict[str, str] = {}
+    stack: list[str] = []
+
+    def walk(name: str) -> None:
+        state[name] = "open"
+        stack.append(name)
+        for target in sorted(graph[name]):
+            if state.get(target) == "open":
+                circle = [*stack[stack.index(target):], target]
+                raise AssertionError("import circle: " + circle[0] + "".join(
+                    f" -({graph[a][b]})-> {b}" for a, b in zip(circle, circle[1:])))
+            if target not in state:
+                walk(target)
+        stack.pop()
+        state[name] = "done"
+
+    for name in MODULES:
+        if name not in state:
+            walk(name)
+
+
+def test_the_model_imports_nothing_above_it_but_the_leaf_and_the_listed_user_calls():
+    graph = import_graph()
+    above = {(name, target) for name in MODULES if name.startswith("titans_hf.modeling")
+             for target in graph[name] if not target.startswith("titans_hf.modeling") and target != LEAF}
+    assert above == set(USER_CALL_IMPORTS)
+    assert graph[LEAF] == {}
+
+
+def test_the_config_module_imports_no_torch_model_code():
+    graph = import_graph()
+    # like transformers' configuration_qwen2.py: the settings, the folder format's file names, the atomic write
+    assert reachable(graph, CONFIG_MODULE) <= {"titans_hf.modeling.memory_folder", LEAF}
+    # what the model itself reaches, for contrast: the memory, the variants, the cache
+    assert {"titans_hf.modeling.memory", "titans_hf.modeling.variants", "titans_hf.modeling.cache_titans_qwen",
+            CONFIG_MODULE} <= reachable(graph, "titans_hf.modeling.modeling_titans_qwen")
 
 
 def test_the_model_loads_no_hub_lora_training_data_or_task_code():
@@ -81,35 +171,6 @@ def test_the_data_code_loads_no_task_training_or_command_code():
                                                              "titans_hf.commands", "titans_hf.hub", "titans_hf.lora"))]
 
 
-def test_module_level_imports_form_no_circle():
-    graph = {name: imported_names(name, module_level=True) for name in MODULES}
-    # a package's __init__ runs before any of its modules: a module importing its own package is no edge back
-    graph = {name: {target for target in targets if not name.startswith(target + ".")} for name, targets in graph.items()}
-    state: dict[str, str] = {}
-    stack: list[str] = []
-
-    def walk(name: str) -> None:
-        state[name] = "open"
-        stack.append(name)
-        for target in sorted(graph.get(name, ())):
-            assert state.get(target) != "open", "import circle: " + " -> ".join([*stack[stack.index(target):], target])
-            if target not in state:
-                walk(target)
-        stack.pop()
-        state[name] = "done"
-
-    for name in MODULES:
-        if name not in state:
-            walk(name)
-
-
-def test_the_models_call_time_imports_are_the_listed_ones():
-    modeling = [name for name in MODULES if name.startswith("titans_hf.modeling")]
-    outside = {(name, target) for name in modeling for target in imported_names(name, module_level=False)
-               if not target.startswith("titans_hf.modeling")}
-    assert outside == MODEL_CALL_TIME_IMPORTS
-
-
 def test_the_package_top_names_the_public_api():
     loaded = loaded_by(["titans_hf"])
     assert "datasets" not in loaded and "titans_hf.training" not in loaded  # the lazy names stay unloaded
@@ -117,22 +178,3 @@ def test_the_package_top_names_the_public_api():
     assert public["TitansTrainer"].__module__.startswith("titans_hf.training")
     assert public["add_lora"].__module__ == "titans_hf.lora"
     assert set(titans_hf.__all__) <= set(dir(titans_hf))
-
-
-def test_old_import_paths_warn_and_give_the_moved_names():
-    import pytest
-
-    from titans_hf.modeling.configuration_titans_qwen import TitansMemoryConfig
-    from titans_hf.modeling.memory_folder import save_memory_folder
-    from titans_hf.outputs import writing_folder
-    from titans_hf.tasks.babilong.builder import TitansBabilong
-    from titans_hf.testing_utils import build_qwen
-
-    old = [("titans_hf.hub", "TitansMemoryConfig", TitansMemoryConfig),
-           ("titans_hf.hub", "save_memory_folder", save_memory_folder),
-           ("titans_hf.utils", "writing_folder", writing_folder),
-           ("titans_hf.local_models", "build_qwen", build_qwen),
-           ("titans_hf.data.babilong_builder", "TitansBabilong", TitansBabilong)]
-    for module, name, moved in old:
-        with pytest.warns(DeprecationWarning, match=rf"{module}\.{name} moved to "):
-            assert getattr(__import__(module, fromlist=[name]), name) is moved

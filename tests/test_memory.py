@@ -2,7 +2,9 @@
 properties the model relies on: pieces == one pass, causality, test-time learning, long-stream stability; and the
 memory-model seam: models defined here with only a forward, registered by name, against the same reference."""
 
+import ast
 import dataclasses
+import inspect
 import math
 
 import pytest
@@ -10,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from titans_hf.modeling import memory
+from titans_hf.modeling import configuration_titans_qwen, memory, ops, variants
 from titans_hf.modeling.memory import MemoryModel, MemoryState, MLPMemory, NeuralMemory
 
 
@@ -36,16 +38,17 @@ def reference_theta(mem: NeuralMemory, hidden: torch.Tensor, mask: torch.Tensor 
     real = torch.ones(hidden.shape[:2], dtype=hidden.dtype) if mask is None else mask.to(hidden.dtype)
     x = hidden / torch.sqrt(hidden.pow(2).mean(-1, keepdim=True) + mem.norm.eps) * mem.norm.weight
     logits = x @ mem.to_gates.weight.T + mem.to_gates.bias
-    return mem.max_lr * torch.sigmoid(logits[..., :mem.num_heads]) * real[..., None]
+    return mem.max_lr * torch.sigmoid(logits[..., :mem.memory_num_heads]) * real[..., None]
 
 
 def reference(mem: NeuralMemory, hidden: torch.Tensor, mask: torch.Tensor | None = None,
               memory_fn=mlp_memory) -> torch.Tensor:
-    """Plain loops over rows, heads, chunks and tokens; autograd (create_graph) for each token's inner gradient of
-    the memory model `memory_fn(weights, z)`."""
+    """The module restated: each token's inputs (RMSNorm, the convolution as a sum over its taps, silu and l2norm,
+    theta) and each update chunk's gates (the mean logit over its real tokens) by plain loops and products, then the
+    update rule by `ops.naive` on the memory model `memory_fn(weights, z)`: loops over rows, chunks and tokens with
+    autograd (create_graph) for each token's inner gradient."""
     B, T, _ = hidden.shape
-    H, d, C, K = mem.num_heads, mem.head_dim, mem.chunk_size, mem.conv_kernel
-    chunks_per_batch = mem.batch_size // C
+    H, d, C, K = mem.memory_num_heads, mem.memory_head_dim, mem.memory_chunk_size, mem.conv_kernel
     real = torch.ones(B, T, dtype=hidden.dtype) if mask is None else mask.to(hidden.dtype)
     x = hidden / torch.sqrt(hidden.pow(2).mean(-1, keepdim=True) + mem.norm.eps) * mem.norm.weight
     u = (x @ mem.to_qkv.weight.T) * real[..., None]
@@ -58,54 +61,27 @@ def reference(mem: NeuralMemory, hidden: torch.Tensor, mask: torch.Tensor | None
     logits = x @ mem.to_gates.weight.T + mem.to_gates.bias
     theta = reference_theta(mem, hidden, mask)
 
-    reads = [[[None] * H for _ in range(T)] for _ in range(B)]
-    for b in range(B):
-        for h in range(H):
-            weights = [p[h] for p in mem.initial_weights]
-            momentum = [torch.zeros_like(w) for w in weights]
-            grad_point = weights
-            for j in range(math.ceil(T / C)):
-                tokens = range(j * C, min(j * C + C, T))
-                for t in tokens:
-                    reads[b][t][h] = memory_fn(weights, q[b, t, h])
-                if len(tokens) < C:
-                    break
-                count = real[b, tokens].sum()
-                if mem.update_rule == "delta":  # every token's own step at the weights the tokens before it left
-                    stepped = weights
-                    for t in tokens:
-                        loss = theta[b, t, h] * (memory_fn(stepped, k[b, t, h]) - v[b, t, h]).pow(2).sum()
-                        grads = torch.autograd.grad(loss, stepped, create_graph=True)
-                        stepped = [w - g for w, g in zip(stepped, grads)]
-                    if count > 0:
-                        alpha = torch.sigmoid((logits[b, tokens, 2 * H + h] * real[b, tokens]).sum() / count)
-                        weights = [(1 - alpha) * w + (s - w) for w, s in zip(weights, stepped)]
-                        norm = torch.sqrt(sum(w.pow(2).sum() for w in weights))
-                        weights = [w * mem.max_memory_norm / norm.clamp(min=mem.max_memory_norm) for w in weights]
-                    continue
-                surprise = [torch.zeros_like(w) for w in weights]
-                for t in tokens:
-                    loss = theta[b, t, h] * (memory_fn(grad_point, k[b, t, h]) - v[b, t, h]).pow(2).sum()
-                    grads = torch.autograd.grad(loss, grad_point, create_graph=True)
-                    surprise = [s + g for s, g in zip(surprise, grads)]
-                if count > 0:
-                    if mem.max_surprise_norm is not None:
-                        norm = torch.sqrt(sum(s.pow(2).sum() for s in surprise))
-                        surprise = [s * mem.max_surprise_norm / norm.clamp(min=mem.max_surprise_norm) for s in surprise]
-                    eta = torch.sigmoid((logits[b, tokens, H + h] * real[b, tokens]).sum() / count)
-                    alpha = torch.sigmoid((logits[b, tokens, 2 * H + h] * real[b, tokens]).sum() / count)
-                    momentum = [eta * s - g for s, g in zip(momentum, surprise)]
-                    weights = [(1 - alpha) * w + s for w, s in zip(weights, momentum)]
-                if (j + 1) % chunks_per_batch == 0:
-                    grad_point = weights
-    stacked = torch.stack([torch.stack([torch.stack(row, 0) for row in rows], 0) for rows in reads], 0)
-    return stacked.reshape(B, T, H * d)
+    etas, keeps, valids = [], [], []
+    for j in range(T // C):
+        tokens = range(j * C, j * C + C)
+        count = [real[b, tokens].sum() for b in range(B)]
+        mean = lambda gate: torch.stack([(logits[b, tokens, gate * H + h] * real[b, tokens]).sum()  # noqa: E731
+                                         / count[b].clamp(min=1) for b in range(B) for h in range(H)]).view(-1, 1, 1)
+        etas.append(torch.sigmoid(mean(1)))
+        keeps.append(1 - torch.sigmoid(mean(2)))
+        valids.append(torch.tensor([bool(count[b] > 0) for b in range(B) for _ in range(H)]).view(-1, 1, 1))
+    rows = lambda t: t.transpose(1, 2).flatten(0, 1)  # noqa: E731  [B, T, H, ...] -> [B * H, T, ...]
+    weights = [w.expand(B, -1, -1, -1).flatten(0, 1) for w in mem.initial_weights]
+    reads, *_ = ops.naive(rows(q), rows(k), rows(v), rows(2 * theta), etas, keeps, valids, weights,
+                          [torch.zeros_like(w) for w in weights], weights, 0,
+                          dataclasses.replace(mem.update_settings, model=memory_fn))
+    return reads.view(B, H, T, d).transpose(1, 2).reshape(B, T, H * d)
 
 
 def delta_memory(max_memory_norm: float = 3.0, **settings) -> NeuralMemory:
     """A randomised fp64 memory with the delta rule (every setting but the rule's own may be overridden)."""
-    settings = dict(dict(hidden_size=12, num_heads=2, head_dim=4, depth=1, conv_kernel=3, chunk_size=4, max_lr=0.5,
-                         theta_bias_init=1.0), **settings)
+    settings = dict(dict(hidden_size=12, memory_num_heads=2, memory_head_dim=4, memory_depth=1, conv_kernel=3,
+                         memory_chunk_size=4, max_lr=0.5, theta_bias_init=1.0), **settings)
     return randomise(NeuralMemory(**settings, update_rule="delta", max_memory_norm=max_memory_norm).double(), 7)
 
 
@@ -159,8 +135,9 @@ def param_grads(mem, reads, probe):
 )
 def test_matches_per_token_reference_reads_and_outer_gradients(depth, chunk, batch, kernel, clip):
     torch.manual_seed(0)
-    mem = NeuralMemory(12, 2, 4, depth=depth, expansion=2, conv_kernel=kernel, chunk_size=chunk, batch_size=batch,
-                       max_lr=0.5 if clip else 0.05, max_surprise_norm=clip, theta_bias_init=0.0).double()
+    mem = NeuralMemory(12, 2, 4, memory_depth=depth, memory_expansion=2, conv_kernel=kernel, memory_chunk_size=chunk,
+                       memory_batch_size=batch, max_lr=0.5 if clip else 0.05, max_surprise_norm=clip,
+                       theta_bias_init=0.0).double()
     randomise(mem, 1)
     hidden = torch.randn(2, 22, 12, dtype=torch.double)
     probe = torch.randn(2, 22, 8, dtype=torch.double)
@@ -177,8 +154,9 @@ def test_matches_per_token_reference_reads_and_outer_gradients(depth, chunk, bat
 def test_streamed_pieces_match_reference_including_gradients(depth):
     """Pieces that end mid-chunk and mid-batch: single chunks whose gradient point is not the current weights."""
     torch.manual_seed(0)
-    mem = randomise(NeuralMemory(12, 2, 4, depth=depth, expansion=2, conv_kernel=3, chunk_size=4, batch_size=12,
-                                 max_lr=0.5, max_surprise_norm=0.05, theta_bias_init=0.0).double(), 8)
+    mem = randomise(NeuralMemory(12, 2, 4, memory_depth=depth, memory_expansion=2, conv_kernel=3, memory_chunk_size=4,
+                                 memory_batch_size=12, max_lr=0.5, max_surprise_norm=0.05,
+                                 theta_bias_init=0.0).double(), 8)
     hidden = torch.randn(2, 30, 12, dtype=torch.double)
     probe = torch.randn(2, 30, 8, dtype=torch.double)
     reads, _ = streamed_in_pieces(mem, hidden, None, (3, 5, 1, 4, 4, 13))
@@ -190,15 +168,16 @@ def test_streamed_pieces_match_reference_including_gradients(depth):
 
 def memory_read_without_updates(mem, hidden):
     """Reads from the initial weights only: the reference must differ from this, or the test checks nothing."""
-    frozen = NeuralMemory(12, 2, 4, depth=mem.depth, expansion=2, conv_kernel=mem.conv_kernel, chunk_size=10**6,
-                          max_surprise_norm=mem.max_surprise_norm, memory_model=mem.memory_model).double()
+    frozen = NeuralMemory(12, 2, 4, memory_depth=mem.memory_depth, memory_expansion=2, conv_kernel=mem.conv_kernel,
+                          memory_chunk_size=10**6, max_surprise_norm=mem.max_surprise_norm,
+                          memory_model=mem.memory_model).double()
     frozen.load_state_dict(mem.state_dict())
     return frozen(hidden)[0]
 
 
 def test_padding_mask_matches_reference_and_never_writes():
     torch.manual_seed(0)
-    mem = randomise(NeuralMemory(12, 2, 4, conv_kernel=3, chunk_size=4, max_lr=0.5, max_surprise_norm=0.05,
+    mem = randomise(NeuralMemory(12, 2, 4, conv_kernel=3, memory_chunk_size=4, max_lr=0.5, max_surprise_norm=0.05,
                                  theta_bias_init=0.0).double(), 2)
     hidden = torch.randn(2, 20, 12, dtype=torch.double)
     mask = torch.ones(2, 20)
@@ -231,8 +210,8 @@ def test_linear_memory_affine_scan_streamed_with_padding_matches_reference(batch
     loop): against the per-token reference with padding (two chunks without a real token), pieces that end mid-chunk
     and mid-batch, and a gradient point that is not the current weights; the same reads and state without grad."""
     torch.manual_seed(0)
-    mem = randomise(NeuralMemory(12, 2, 4, depth=1, conv_kernel=3, chunk_size=4, batch_size=batch, max_lr=0.5,
-                                 max_surprise_norm=0.05, theta_bias_init=0.0).double(), 5)
+    mem = randomise(NeuralMemory(12, 2, 4, memory_depth=1, conv_kernel=3, memory_chunk_size=4, memory_batch_size=batch,
+                                 max_lr=0.5, max_surprise_norm=0.05, theta_bias_init=0.0).double(), 5)
     assert mem.affine
     padded_pieces_match_reference(mem)
 
@@ -240,7 +219,7 @@ def test_linear_memory_affine_scan_streamed_with_padding_matches_reference(batch
 @pytest.mark.parametrize("batch", [16, 32, 48])
 def test_streaming_pieces_equal_one_pass(batch):
     torch.manual_seed(0)
-    mem = randomise(NeuralMemory(24, 3, 8, chunk_size=16, batch_size=batch, conv_kernel=6, max_lr=0.5,
+    mem = randomise(NeuralMemory(24, 3, 8, memory_chunk_size=16, memory_batch_size=batch, conv_kernel=6, max_lr=0.5,
                                  theta_bias_init=0.0), 3)
     hidden = torch.randn(2, 172, 24)
     mask = (torch.rand(2, 172) > 0.2).float()
@@ -255,7 +234,7 @@ def test_streaming_pieces_equal_one_pass(batch):
 
 def test_single_token_decoding_equals_one_pass():
     torch.manual_seed(0)
-    mem = randomise(NeuralMemory(16, 2, 8, chunk_size=4, conv_kernel=4, max_lr=0.5, theta_bias_init=0.0), 4)
+    mem = randomise(NeuralMemory(16, 2, 8, memory_chunk_size=4, conv_kernel=4, max_lr=0.5, theta_bias_init=0.0), 4)
     hidden = torch.randn(3, 13, 16)
     full, _ = mem(hidden)
     state, outs = None, []
@@ -268,7 +247,8 @@ def test_single_token_decoding_equals_one_pass():
 def test_causality_reads_and_gradients():
     torch.manual_seed(0)
     C, K = 8, 3
-    mem = randomise(NeuralMemory(16, 2, 8, chunk_size=C, conv_kernel=K, max_lr=0.5, theta_bias_init=0.0).double(), 5)
+    mem = randomise(NeuralMemory(16, 2, 8, memory_chunk_size=C, conv_kernel=K, max_lr=0.5,
+                                 theta_bias_init=0.0).double(), 5)
     hidden = torch.randn(1, 40, 16, dtype=torch.double)
     base, _ = mem(hidden)
     t = 19  # inside chunk 2 = tokens 16..23
@@ -295,8 +275,9 @@ def test_memory_learns_key_value_pairs_at_test_time(depth, max_lr):
     M(q_i) return v_i far better than the initial weights do."""
     torch.manual_seed(0)
     d, n_pairs = 16, 8
-    mem = NeuralMemory(2 * d, 1, d, depth=depth, expansion=2, conv_kernel=1, chunk_size=4, max_lr=max_lr,
-                       max_surprise_norm=None, theta_bias_init=8.0, momentum_bias_init=-8.0, forget_bias_init=-12.0)
+    mem = NeuralMemory(2 * d, 1, d, memory_depth=depth, memory_expansion=2, conv_kernel=1, memory_chunk_size=4,
+                       max_lr=max_lr, max_surprise_norm=None, theta_bias_init=8.0, momentum_bias_init=-8.0,
+                       forget_bias_init=-12.0)
     with torch.no_grad():
         eye = torch.eye(d)
         mem.to_qkv.weight.zero_()
@@ -329,7 +310,7 @@ def test_million_token_stream_stays_bounded():
     |S| <= c / (1 - eta) and |W_j| <= |W_0| + c / ((1 - eta) * alpha): the stream must respect that bound."""
     torch.manual_seed(0)
     clip, eta, alpha = 1.0, torch.sigmoid(torch.tensor(0.0)), torch.sigmoid(torch.tensor(-4.0))
-    mem = NeuralMemory(8, 2, 4, depth=2, expansion=2, conv_kernel=4, chunk_size=256, max_lr=1.0,
+    mem = NeuralMemory(8, 2, 4, memory_depth=2, memory_expansion=2, conv_kernel=4, memory_chunk_size=256, max_lr=1.0,
                        max_surprise_norm=clip, theta_bias_init=4.0, momentum_bias_init=0.0, forget_bias_init=-4.0)
     with torch.no_grad():
         mem.to_gates.weight.zero_()
@@ -357,7 +338,7 @@ def test_million_token_stream_stays_bounded():
 
 def test_bf16_activations_keep_fp32_state():
     torch.manual_seed(0)
-    mem = randomise(NeuralMemory(16, 2, 8, chunk_size=8, max_lr=0.5, theta_bias_init=0.0), 6)
+    mem = randomise(NeuralMemory(16, 2, 8, memory_chunk_size=8, max_lr=0.5, theta_bias_init=0.0), 6)
     hidden = torch.randn(2, 30, 16)
     reads32, _ = mem(hidden)
     reads16, state = mem(hidden.bfloat16())
@@ -368,14 +349,15 @@ def test_bf16_activations_keep_fp32_state():
         reads_autocast, state = mem(hidden)
     assert state.weights[0].dtype == torch.float32
     torch.testing.assert_close(reads_autocast.float(), reads32, rtol=0.05, atol=0.05)
-    mem_bf16 = randomise(NeuralMemory(16, 2, 8, chunk_size=8), 6).bfloat16()
+    mem_bf16 = randomise(NeuralMemory(16, 2, 8, memory_chunk_size=8), 6).bfloat16()
     reads, state = mem_bf16(hidden.bfloat16())
     assert reads.dtype == torch.bfloat16 and state.weights[0].dtype == torch.float32 and torch.isfinite(reads).all()
 
 
 def test_state_save_restore_select_and_detach(tmp_path):
     torch.manual_seed(0)
-    mem = randomise(NeuralMemory(16, 2, 8, chunk_size=8, batch_size=16, max_lr=0.5, theta_bias_init=0.0), 7)
+    mem = randomise(NeuralMemory(16, 2, 8, memory_chunk_size=8, memory_batch_size=16, max_lr=0.5,
+                                 theta_bias_init=0.0), 7)
     hidden = torch.randn(3, 45, 16)
     full, _ = mem(hidden)
     _, state = mem(hidden[:, :21])
@@ -414,7 +396,7 @@ def test_written_sums_each_tokens_theta_once_in_the_call_that_computed_it():
         total, start = total + state.written, start + size
     _, whole = mem(hidden, None, mask)
     torch.testing.assert_close(whole.written, total, rtol=1e-12, atol=0)
-    assert 0 < float(whole.written.detach()) < mask.sum() * mem.num_heads
+    assert 0 < float(whole.written.detach()) < mask.sum() * mem.memory_num_heads
     torch.autograd.grad(whole.written, mem.to_gates.bias)  # differentiable: what the write cost trains through
     assert "written" not in whole.state_dict() and whole.detach().written is None and whole.select([0]).written is None
     assert mem.init_state(2).written is None
@@ -423,7 +405,7 @@ def test_written_sums_each_tokens_theta_once_in_the_call_that_computed_it():
 def test_retrieve_reads_without_writing():
     """retrieve == the reads of tokens fed with no convolution history into an unfinished chunk (which only read)."""
     torch.manual_seed(0)
-    mem = randomise(NeuralMemory(16, 2, 8, chunk_size=8, conv_kernel=3, max_lr=0.5, theta_bias_init=0.0), 9)
+    mem = randomise(NeuralMemory(16, 2, 8, memory_chunk_size=8, conv_kernel=3, max_lr=0.5, theta_bias_init=0.0), 9)
     _, state = mem(torch.randn(2, 16, 16))  # at a chunk boundary: the next 5 tokens only read
     queries = torch.randn(1, 5, 16)
     got = mem.retrieve(queries, state)
@@ -438,9 +420,9 @@ def test_retrieve_reads_without_writing():
 
 def test_bad_arguments_name_the_problem():
     with pytest.raises(ValueError, match="batch_size"):
-        NeuralMemory(16, 2, 8, chunk_size=8, batch_size=12)
+        NeuralMemory(16, 2, 8, memory_chunk_size=8, memory_batch_size=12)
     with pytest.raises(ValueError, match="depth"):
-        NeuralMemory(16, 2, 8, depth=0)
+        NeuralMemory(16, 2, 8, memory_depth=0)
     mem = NeuralMemory(16, 2, 8)
     with pytest.raises(ValueError, match="hidden"):
         mem(torch.randn(2, 5, 15))
@@ -453,11 +435,11 @@ def test_bad_arguments_name_the_problem():
 def test_window_conv_init_averages_query_and_key_taps_and_keeps_values_identity():
     heads, dim, kernel = 2, 4, 6
     inner = heads * dim
-    window = NeuralMemory(8, heads, dim, depth=1, conv_kernel=kernel, conv_init="window").conv_weight.detach()
+    window = NeuralMemory(8, heads, dim, memory_depth=1, conv_kernel=kernel, conv_init="window").conv_weight.detach()
     assert torch.equal(window[: 2 * inner], torch.full((2 * inner, kernel), 1 / kernel))
     identity_taps = torch.tensor([[0.0] * (kernel - 1) + [1.0]]).expand(inner, kernel)
     assert torch.equal(window[2 * inner :], identity_taps)
-    identity = NeuralMemory(8, heads, dim, depth=1, conv_kernel=kernel).conv_weight.detach()
+    identity = NeuralMemory(8, heads, dim, memory_depth=1, conv_kernel=kernel).conv_weight.detach()
     assert torch.equal(identity, identity_taps.repeat(3, 1))
     with pytest.raises(ValueError, match="conv_init"):
         NeuralMemory(8, heads, dim, conv_init="mean")
@@ -504,9 +486,9 @@ def forward_only_models(monkeypatch):
 def test_forward_only_memory_model_matches_reference(forward_only_models, name, memory_fn, depth, chunk, batch,
                                                      clip):
     torch.manual_seed(0)
-    mem = randomise(NeuralMemory(12, 2, 4, depth=depth, expansion=2, conv_kernel=3, chunk_size=chunk,
-                                 batch_size=batch, max_lr=0.5 if clip else 0.05, max_surprise_norm=clip,
-                                 theta_bias_init=0.0, memory_model=name).double(), 1)
+    mem = randomise(NeuralMemory(12, 2, 4, memory_depth=depth, memory_expansion=2, conv_kernel=3,
+                                 memory_chunk_size=chunk, memory_batch_size=batch, max_lr=0.5 if clip else 0.05,
+                                 max_surprise_norm=clip, theta_bias_init=0.0, memory_model=name).double(), 1)
     assert type(mem.model) is memory.MEMORY_MODELS[name]
     hidden = torch.randn(2, 22, 12, dtype=torch.double)
     probe = torch.randn(2, 22, 8, dtype=torch.double)
@@ -521,7 +503,7 @@ def test_forward_only_memory_model_matches_reference(forward_only_models, name, 
 
 def test_linear_memory_streamed_with_padding_matches_reference_and_runs_without_grad(forward_only_models):
     torch.manual_seed(0)
-    mem = randomise(NeuralMemory(12, 2, 4, conv_kernel=3, chunk_size=4, batch_size=8, max_lr=0.5,
+    mem = randomise(NeuralMemory(12, 2, 4, conv_kernel=3, memory_chunk_size=4, memory_batch_size=8, max_lr=0.5,
                                  max_surprise_norm=0.05, theta_bias_init=0.0, memory_model="linear").double(), 2)
     padded_pieces_match_reference(mem, tokens=26, padded_from=17, padded_before=5, pieces=(3, 6, 1, 9, 7),
                                   memory_fn=linear_memory)
@@ -532,8 +514,8 @@ def test_explicit_mlp_equals_its_autograd_twin(forward_only_models, batch):
     """The written-out inner gradients (fused chunk step, memory-batch node) against autograd on the same MLP, at a
     size the per-token reference is too slow for: reads, state and outer gradients, with padding and pieces."""
     torch.manual_seed(0)
-    config = dict(depth=3, expansion=2, chunk_size=16, batch_size=batch, conv_kernel=4, max_lr=0.5,
-                  max_surprise_norm=0.5, theta_bias_init=0.0)
+    config = dict(memory_depth=3, memory_expansion=2, memory_chunk_size=16, memory_batch_size=batch, conv_kernel=4,
+                  max_lr=0.5, max_surprise_norm=0.5, theta_bias_init=0.0)
     explicit = randomise(NeuralMemory(24, 3, 8, **config).double(), 3)
     generic = NeuralMemory(24, 3, 8, memory_model="mlp-autograd", **config).double()
     generic.load_state_dict(explicit.state_dict())
@@ -564,11 +546,11 @@ def test_explicit_mlp_equals_its_autograd_twin(forward_only_models, batch):
 def test_memory_model_is_chosen_by_name_and_leaves_state_dict_keys_alone(forward_only_models):
     with pytest.raises(ValueError, match=r"memory_model must be one of \[.*'mlp'.*\], got 'gated'"):
         NeuralMemory(16, 2, 8, memory_model="gated")
-    mem = NeuralMemory(16, 2, 8, depth=2)
+    mem = NeuralMemory(16, 2, 8, memory_depth=2)
     assert type(mem.model) is MLPMemory and mem.memory_model == "mlp"
     assert set(mem.state_dict()) == {"norm.weight", "to_qkv.weight", "conv_weight", "to_gates.weight",
                                      "to_gates.bias", "initial_weights.0", "initial_weights.1"}
-    linear = NeuralMemory(16, 2, 8, depth=2, memory_model="linear")
+    linear = NeuralMemory(16, 2, 8, memory_depth=2, memory_model="linear")
     assert [tuple(w.shape) for w in linear.initial_weights] == [(2, 8, 8)]
     assert set(linear.state_dict()) == set(mem.state_dict()) - {"initial_weights.1"}
 
@@ -579,7 +561,7 @@ def test_delta_rule_matches_per_token_reference_with_padding_and_pieces(chunk, c
     the tokens before it left), with padding (a chunk without a real token), pieces that end mid-chunk, the forget
     gate and the norm cap (a small cap binds, a large one does not); outer gradients too; no grad, the same bits."""
     torch.manual_seed(0)
-    mem = delta_memory(cap, chunk_size=chunk)
+    mem = delta_memory(cap, memory_chunk_size=chunk)
     state = padded_pieces_match_reference(mem)
     norms = torch.linalg.vector_norm(state.weights[0], dim=(-2, -1))
     assert (norms <= cap + 1e-9).all()
@@ -590,14 +572,14 @@ def test_delta_rule_matches_per_token_reference_with_padding_and_pieces(chunk, c
 def test_delta_rule_replaces_a_value_in_one_write():
     """beta = 1 on a unit key: one token's step stores v at k exactly (M_W(k) = v), and rewriting the same key with
     another value replaces it (what a new place for the same person needs); other, orthogonal keys keep theirs."""
-    mem = NeuralMemory(4, 1, 4, depth=1, chunk_size=2, max_lr=0.5, update_rule="delta",
+    mem = NeuralMemory(4, 1, 4, memory_depth=1, memory_chunk_size=2, max_lr=0.5, update_rule="delta",
                        max_memory_norm=100.0).double()
     W = torch.zeros(1, 4, 4, dtype=torch.double)
     k = torch.eye(4, dtype=torch.double)[None, :2]  # two orthogonal unit keys in one update chunk
     v = torch.tensor([[[1.0, 2.0, 3.0, 4.0], [0.0, -1.0, 0.0, 1.0]]], dtype=torch.double)
     ones = [torch.ones(1, 1, 1, dtype=torch.double)]
-    step = lambda W, k, v: mem._scan_delta(k, k, v, torch.ones(1, 2, dtype=torch.double), ones, ones,  # noqa: E731
-                                           [None], [W], [torch.zeros_like(W)], [W], 0)[1][0]
+    step = lambda W, k, v: ops.delta(k, k, v, torch.ones(1, 2, dtype=torch.double), ones, ones,  # noqa: E731
+                                     [None], [W], [torch.zeros_like(W)], [W], 0, mem.update_settings)[1][0]
     W = step(W, k, v)
     torch.testing.assert_close(k[0] + k[0] @ W[0], v[0], rtol=0, atol=1e-12)
     replaced = torch.tensor([[[9.0, 9.0, 9.0, 9.0], [0.0, -1.0, 0.0, 1.0]]], dtype=torch.double)
@@ -612,7 +594,7 @@ def test_delta_rule_transition_is_non_expansive_where_the_gradient_rule_is_not()
     keys at max_lr 1."""
     torch.manual_seed(0)
     C, d = 8, 16
-    mem = NeuralMemory(d, 1, d, depth=1, chunk_size=C, max_lr=0.5, update_rule="delta",
+    mem = NeuralMemory(d, 1, d, memory_depth=1, memory_chunk_size=C, max_lr=0.5, update_rule="delta",
                        max_memory_norm=1e9).double()
     base = F.normalize(torch.randn(1, d, dtype=torch.double), dim=-1)
     keys = F.normalize(torch.cat([base + 1e-3 * torch.randn(C // 2, d, dtype=torch.double),
@@ -622,8 +604,8 @@ def test_delta_rule_transition_is_non_expansive_where_the_gradient_rule_is_not()
     ones = [torch.ones(1, 1, 1, dtype=torch.double)]
     identity = torch.eye(d, dtype=torch.double)[None]
     # values equal to the keys make P = 0: the chunk applied to W = I is the transition itself
-    transition = mem._scan_delta(keys, keys, keys, beta, ones, ones, [None], [identity], [identity * 0],
-                                 [identity], 0)[1][0][0]
+    transition = ops.delta(keys, keys, keys, beta, ones, ones, [None], [identity], [identity * 0],
+                           [identity], 0, mem.update_settings)[1][0][0]
     sequential = identity[0]
     for t in range(C):
         sequential = (identity[0] - beta[0, t] * keys[0, t, :, None] * keys[0, t]) @ sequential
@@ -641,7 +623,8 @@ def test_delta_rule_state_stays_bounded_under_adversarial_writes():
     the writes do push the state to it (the bound is not vacuous)."""
     torch.manual_seed(0)
     C, d, heads, cap = 8, 8, 2, 10.0
-    mem = NeuralMemory(d, heads, d, depth=1, chunk_size=C, max_lr=0.5, update_rule="delta", max_memory_norm=cap)
+    mem = NeuralMemory(d, heads, d, memory_depth=1, memory_chunk_size=C, max_lr=0.5, update_rule="delta",
+                       max_memory_norm=cap)
     W = mem.init_state(1).weights[0].reshape(heads, d, d).detach()
     bound = max(cap, float(torch.linalg.vector_norm(W, dim=(-2, -1)).max()))
     ones = [torch.ones(heads, 1, 1)] * 25
@@ -652,9 +635,84 @@ def test_delta_rule_state_stays_bounded_under_adversarial_writes():
             keys = F.normalize(direction + 1e-3 * torch.randn(heads, 25 * C, d), dim=-1)
             values = 1e6 * torch.randn(heads, 1, d) * torch.where(torch.arange(25 * C) % 2 == 0, 1.0, -1.0)[:, None]
             lr2 = torch.ones(heads, 25 * C)
-            _, (W,), _, _ = mem._scan_delta(keys, keys, values, lr2, ones, ones, [None] * 25, [W],
-                                            [torch.zeros_like(W)], [W], 0)
+            _, (W,), _, _ = ops.delta(keys, keys, values, lr2, ones, ones, [None] * 25, [W],
+                                      [torch.zeros_like(W)], [W], 0, mem.update_settings)
             assert torch.isfinite(W).all()
             largest = max(largest, float(torch.linalg.vector_norm(W, dim=(-2, -1)).max()))
     assert largest <= bound * (1 + 1e-6), (largest, bound)
     assert largest >= 0.99 * cap
+
+
+# ---- the names the config checks, and the ops a memory binds ----
+
+
+def test_the_configs_names_are_the_registries_keys_and_the_config_imports_no_model_code():
+    """The config checks variant, memory_model and update_rule against tuples of its own, so that it imports no torch
+    model code (as a transformers config imports no model); each tuple must be its registry's keys."""
+    assert tuple(variants.MEMORY_VARIANTS) == configuration_titans_qwen.VARIANTS == ("mag", "mal", "mac")
+    assert tuple(memory.MEMORY_MODELS) == configuration_titans_qwen.MEMORY_MODEL_NAMES == ("mlp",)
+    assert tuple(ops.UPDATE_OPS) == configuration_titans_qwen.UPDATE_RULES == ("gradient", "delta")
+    tree = ast.parse(inspect.getsource(configuration_titans_qwen))
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert not imported & {"memory", "variants", "ops", "modeling_titans_qwen", "torch"}, imported
+
+
+def test_a_kernel_set_in_the_ops_table_is_bound_by_the_memories_built_after_it(monkeypatch):
+    """`UPDATE_OPS[rule].kernel` takes the place of torch's op in every NeuralMemory built after it is set, chosen
+    once at build (a memory built before keeps its op); each rule's torch op otherwise (the linear memory's own where
+    the rule has one). The naive reference as the delta rule's kernel reads and writes what the WY op does, streamed in
+    pieces that end mid-chunk, with padding."""
+    torch.manual_seed(0)
+    assert NeuralMemory(12, 2, 4, memory_depth=1).update_op is ops.gradient_linear
+    assert NeuralMemory(12, 2, 4, memory_depth=2).update_op is ops.gradient
+    torch_op = delta_memory()
+    assert torch_op.update_op is ops.delta
+    calls = []
+
+    def kernel(*args):
+        calls.append(args[-1])
+        return ops.naive(*args)
+
+    monkeypatch.setattr(ops.UPDATE_OPS["delta"], "kernel", kernel)
+    kernel_op = delta_memory()
+    kernel_op.load_state_dict(torch_op.state_dict())
+    assert kernel_op.update_op is kernel and torch_op.update_op is ops.delta
+    assert NeuralMemory(12, 2, 4, memory_depth=1).update_op is ops.gradient_linear  # the other rule keeps torch's
+    hidden = torch.randn(2, 30, 12, dtype=torch.double)
+    mask = torch.ones(2, 30)
+    mask[0, 22:] = 0
+    pieces = (3, 6, 1, 13, 7)
+    want_reads, want_state = streamed_in_pieces(torch_op, hidden, mask, pieces)
+    reads, state = streamed_in_pieces(kernel_op, hidden, mask, pieces)
+    assert len(calls) == len(pieces) and all(settings is kernel_op.update_settings for settings in calls)
+    torch.testing.assert_close(reads, want_reads, rtol=0, atol=1e-10)
+    for key, value in want_state.state_dict().items():
+        torch.testing.assert_close(state.state_dict()[key], value, rtol=0, atol=1e-10, msg=key)
+
+
+def test_with_rows_from_takes_the_marked_rows_weights_and_momentum_and_keeps_the_rest():
+    """State Passing's mix: the marked rows take the other state's fast weights, momentum and gradient point (the
+    rows line up from the first; the other may hold fewer), every other row and field stays this state's (the
+    convolution tail, the buffers, the position: a new row starts a new text)."""
+    torch.manual_seed(0)
+    mem = randomise(NeuralMemory(12, 2, 4, memory_depth=2, memory_expansion=2, conv_kernel=3, memory_chunk_size=4,
+                                 memory_batch_size=8, max_lr=0.5, theta_bias_init=0.0), 3)
+    _, ended = mem(torch.randn(2, 14, 12))  # 3 chunks and 2 buffered tokens: a gradient point of its own
+    _, mine = mem(torch.randn(3, 5, 12))
+    ended = ended.detach()
+    assert ended.batch_start_weights is not ended.weights and mine.batch_start_weights is not mine.weights
+    mixed = mine.with_rows_from(ended, torch.tensor([True, False, False]))
+    for name in ("weights", "momentum", "batch_start_weights"):
+        for got, own, theirs in zip(getattr(mixed, name), getattr(mine, name), getattr(ended, name)):
+            assert torch.equal(got[0], theirs[0]) and torch.equal(got[1:], own[1:]), name
+    assert all(getattr(mixed, name) is getattr(mine, name) for name in ("conv_tail", "buffer_keys", "buffer_values",
+                                                                      "buffer_lr", "buffer_gate_logits",
+                                                                      "buffer_mask"))
+    assert mixed.position == mine.position == 5 and ended.position == 14
+    fresh = mem.init_state(3)
+    shared = fresh.with_rows_from(ended, torch.tensor([False, True, False]))
+    assert shared.batch_start_weights is shared.weights  # a fresh state's point is its weights, and stays so
+    assert torch.equal(shared.weights[1][1], ended.weights[1][1]) and shared.weights[0].requires_grad
+    with pytest.raises(ValueError, match=r"marking none past the other state's 2; got \[False, False, True\]"):
+        mine.with_rows_from(ended, torch.tensor([False, False, True]))

@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import titans_hf  # noqa: F401  (registers the Auto classes)
 import titans_hf.modeling.modeling_titans_qwen
 from titans_hf.modeling import TitansCache, TitansQwenConfig, TitansQwenForCausalLM, TitansQwenModel
-from titans_hf.modeling.loading_titans_qwen import is_memory_name
+from titans_hf.modeling.memory_folder import is_memory_name
 
 SMALL_MEMORY = dict(chunk_size=8, memory_chunk_size=4, memory_num_heads=2, memory_head_dim=16)
 VARIANT_SETTINGS = {
@@ -710,7 +710,7 @@ def reference_write_rate(captured: list[tuple[torch.nn.Module, torch.Tensor, tor
     total = 0.0
     for memory, hidden, mask in captured:
         x = F.rms_norm(hidden, (hidden.shape[-1],), memory.norm.weight, memory.norm.eps)
-        theta = torch.sigmoid(F.linear(x, memory.to_gates.weight, memory.to_gates.bias)[..., :memory.num_heads])
+        theta = torch.sigmoid(F.linear(x, memory.to_gates.weight, memory.to_gates.bias)[..., :memory.memory_num_heads])
         total = total + (theta if mask is None else theta * mask[..., None]).sum()
     return total / (real_tokens * heads * layers)
 

@@ -19,7 +19,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingA
 from titans_hf.data.collator import TitansDataCollator
 from titans_hf.lora import add_lora, has_lora
 from titans_hf.modeling import TitansQwenForCausalLM
-from titans_hf.modeling.loading_titans_qwen import file_key, is_memory_name
 from titans_hf.modeling.memory_folder import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_WEIGHTS_NAME,
@@ -27,6 +26,8 @@ from titans_hf.modeling.memory_folder import (
     MEMORY_WEIGHTS_NAME,
     MODEL_CONFIG_NAME,
     TRAINABLE_BASE_WEIGHTS_NAME,
+    file_key,
+    is_memory_name,
 )
 from titans_hf.training import TitansTrainer
 

@@ -106,7 +106,7 @@ def ddp_worker(model_dir: str, out_dir: str, data_files: list[str]) -> None:
 
 def test_two_process_ddp_training_and_exact_resume(tmp_path, tiny_qwen3_dir, babilong_files):
     from titans_hf.modeling import TitansQwenForCausalLM
-    from titans_hf.modeling.loading_titans_qwen import file_key
+    from titans_hf.modeling.memory_folder import file_key
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path / "hf_home")}
     command = [

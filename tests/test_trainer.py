@@ -19,12 +19,12 @@ import titans_hf.modeling.memory_folder
 from titans_hf.data.collator import TitansDataCollator
 from titans_hf.data.sampler import ChunkCurriculumSampler, count_chunks
 from titans_hf.modeling import TitansQwenForCausalLM
-from titans_hf.modeling.loading_titans_qwen import file_key
 from titans_hf.modeling.memory_folder import (
     MEMORY_CONFIG_NAME,
     MEMORY_WEIGHTS_NAME,
     MODEL_CONFIG_NAME,
     TRAINABLE_BASE_WEIGHTS_NAME,
+    file_key,
 )
 from titans_hf.training import TitansTrainer, TitansTrainingArguments
 from titans_hf.training.trainer import answer_exact_match
@@ -595,7 +595,8 @@ def test_passed_memory_states_mix_rows_by_share():
     from titans_hf.modeling.memory import NeuralMemory
     from titans_hf.training.trainer import passed_memory_states
 
-    memory = NeuralMemory(8, 2, 4, depth=1, chunk_size=4, max_lr=0.5, update_rule="delta", max_memory_norm=3.0)
+    memory = NeuralMemory(8, 2, 4, memory_depth=1, memory_chunk_size=4, max_lr=0.5, update_rule="delta",
+                          max_memory_norm=3.0)
     _, ended = memory(torch.randn(2, 8, 8))
     ended = ended.detach()
     fresh = {3: memory.init_state(3)}

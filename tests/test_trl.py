@@ -15,8 +15,7 @@ from test_completions import open_memory
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
 from titans_hf.modeling import TitansQwenForCausalLM
-from titans_hf.modeling.loading_titans_qwen import is_memory_name
-from titans_hf.modeling.memory_folder import MEMORY_CONFIG_NAME, MEMORY_WEIGHTS_NAME
+from titans_hf.modeling.memory_folder import MEMORY_CONFIG_NAME, MEMORY_WEIGHTS_NAME, is_memory_name
 
 trl = pytest.importorskip("trl")  # the `trl` extra; the `test` extra installs it
 

@@ -49,11 +49,11 @@ from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import check_target_module_exists
 from torch import Tensor, nn
 
-from titans_hf.modeling.loading_titans_qwen import is_memory_name
 from titans_hf.modeling.memory_folder import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_WEIGHTS_NAME,
     hub_file,
+    is_memory_name,
     load_memory_weights,
     read_safetensors_header,
 )

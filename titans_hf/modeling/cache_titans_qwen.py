@@ -1,6 +1,7 @@
 """What a TitansQwen stream carries from one call to the next: the attention keys it still sees and every memory
 layer's state (`TitansCache`), one cache per group of rows that start at the same place of the chunk cycle
-(`PhaseGroup`)."""
+(`PhaseGroup`); and, in a call without a cache, what it carries from one chunk to the next for attention
+(`PreviousChunk`)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,22 @@ def as_previous_chunk_mask(mask: Tensor | None, num_prefix: int) -> Tensor | Non
         return mask
     tokens = mask[:, num_prefix:]
     return torch.cat([tokens.amax(dim=1, keepdim=True).expand(-1, num_prefix), tokens], dim=1)
+
+
+@dataclass
+class PreviousChunk:
+    """The previous chunk as the next one's attention sees it (attend_previous_chunk): per layer its keys (RoPE at
+    positions 0 ..) and values [B, kv heads, keys, head dim], and its 2-D key mask (None: no padding)."""
+
+    key_values: list[tuple[Tensor, Tensor]]
+    mask: Tensor | None
+
+    @property
+    def length(self) -> int:
+        return self.key_values[0][0].shape[-2] if self.key_values else 0
+
+    def detach(self) -> PreviousChunk:
+        return PreviousChunk([(keys.detach(), values.detach()) for keys, values in self.key_values], self.mask)
 
 
 @dataclass
@@ -134,4 +151,4 @@ class TitansCache(DynamicCache):
             self._select_rows(torch.arange(rows).repeat_interleave(repeats))
 
 
-__all__ = ["PhaseGroup", "TitansCache"]
+__all__ = ["PhaseGroup", "PreviousChunk", "TitansCache", "as_previous_chunk_mask"]

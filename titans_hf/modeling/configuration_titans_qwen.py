@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-import torch
 from huggingface_hub.dataclasses import strict
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.configuration_utils import SubConfigSpec
@@ -19,14 +18,18 @@ from transformers.configuration_utils import SubConfigSpec
 from titans_hf import __version__
 from titans_hf.files import atomic_write_json
 
-from .memory import CONV_INITS, MEMORY_MODELS, UPDATE_RULES
 from .memory_folder import MEMORY_CONFIG_NAME, hub_file
-from .variants import MEMORY_VARIANTS
 
 MODEL_TYPE = "titans_qwen"
 BASE_SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
 _REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,254}")
 SUPPORTED_BASE_MODEL_TYPES = ("qwen2", "qwen3")
+# The names the memory settings choose from, each the keys of the registry that implements it (the config imports no
+# model code; tests/test_memory.py holds each tuple equal to its registry's keys):
+VARIANTS = ("mag", "mal", "mac")  # variants.MEMORY_VARIANTS
+MEMORY_MODEL_NAMES = ("mlp",)  # memory.MEMORY_MODELS
+UPDATE_RULES = ("gradient", "delta")  # ops.UPDATE_OPS
+CONV_INITS = ("identity", "window")  # NeuralMemory.reset_parameters
 # The write gate's initial bias by update rule, each the value the rule was measured with (docs/length.md): the delta
 # rule's haystack writes stay where the gate starts (training on short rows never asks them to shrink), and every
 # haystack write erases part of the facts along its key, so the gate starts almost closed.
@@ -35,23 +38,17 @@ THETA_BIAS_INIT = {"delta": -6.0, "gradient": -2.0}
 # writes between facts small, and a fact's half-life near 1,000 stand-in chunks instead of 300-400 (weight 4 lost
 # accuracy at every length); the gradient rule was not measured with one.
 WRITE_COST = {"delta": 1.0, "gradient": 0.0}
+# The delta rule's upper bound on max_lr: its step 2 theta < 2 max_lr stays at most 1, so that each write is a
+# contraction along its key.
+MAX_DELTA_RULE_LR = 0.5
 # The format of a saved memory config. A file of this format holds every field (to_dict writes them all), and one that
-# lacks a field is refused; a file without `format_version` was written before formats were numbered, and a setting it
-# lacks keeps the value memories had before the setting existed (SETTINGS_BEFORE_THEY_EXISTED). A new field means a
-# new format number: files of the older formats then get, when they lack it, the value older memories had.
+# lacks a field is refused; a file without `format_version` was written before titans_hf's first release (0.3.0) and is
+# refused. A new field means a new format number: files of the older formats then get, when they lack it, the value
+# older memories had.
 MEMORY_CONFIG_FORMAT_VERSION = 1
-# For each setting an unnumbered file may lack: the value memories had before it existed, and the settings added with
-# it or after it (every titans_hf that wrote one of those wrote this setting too, so a file holding one of them but
-# not this setting lost it, and its meaning with it).
-SETTINGS_BEFORE_THEY_EXISTED: dict[str, tuple[Any, tuple[str, ...]]] = {
-    "attend_previous_chunk": (False, ("theta_bias_init", "forget_bias_init", "update_rule", "max_memory_norm",
-                                      "write_cost")),
-    "update_rule": ("gradient", ("max_memory_norm", "write_cost")),
-    "write_cost": (0.0, ()),
-}
 # The largest magnitude a float32 holds: the gate biases are float32 parameters and the loss a float32 sum, so a
 # number past it cannot reach them (and max_memory_norm past it makes the rescale 0 / inf: a memory wiped every chunk).
-FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+FLOAT32_MAX = float.fromhex("0x1.fffffep+127")
 # The gradient rule's upper bound on max_lr. Its update is clipped: each chunk's surprise G = sum_t 2 theta_t
 # k_t^T r_t (||k_t|| = 1, r_t = M(k_t) - v_t the residual) is scaled by c / max(||G||, c), so a theta past the point
 # where every chunk reaches the clip changes nothing, but the clip needs ||G||^2 within float32: at ||G|| >= 2^64
@@ -239,8 +236,10 @@ class TitansMemoryConfig:
         for name in ("freeze_base", "checkpoint_chunks", "attend_previous_chunk"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
-        if self.update_rule not in UPDATE_RULES:  # here, not with the other registries: it picks defaults
-            raise ValueError(f"update_rule={self.update_rule!r} must be one of {sorted(UPDATE_RULES)}")
+        for name, choices in (("variant", VARIANTS), ("memory_model", MEMORY_MODEL_NAMES), ("conv_init", CONV_INITS),
+                              ("update_rule", UPDATE_RULES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be one of {sorted(choices)}")
         if self.theta_bias_init is None:
             self.theta_bias_init = THETA_BIAS_INIT[self.update_rule]
         if self.write_cost is None:
@@ -257,12 +256,34 @@ class TitansMemoryConfig:
         for name in ("max_lr", "max_memory_norm"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
-        if self.update_rule == "gradient" and self.max_lr > MAX_GRADIENT_RULE_LR:
-            raise ValueError(f"max_lr={self.max_lr!r}: update_rule='gradient' needs max_lr <= {MAX_GRADIENT_RULE_LR:g} "
-                             "(its step is clipped, so a larger theta changes nothing but the size of a surprise whose "
-                             "norm no longer fits float32: the write would vanish)")
         if self.write_cost < 0:
             raise ValueError(f"write_cost={self.write_cost!r} must be >= 0 (a weight on the loss)")
+        if self.update_rule == "delta":
+            if (self.memory_model != "mlp" or self.memory_depth != 1
+                    or self.memory_batch_size not in (None, self.memory_chunk_size)):
+                raise ValueError(f"update_rule='delta' writes the linear memory token by token: it needs "
+                                 f"memory_model='mlp', memory_depth=1 and no memory_batch_size (got "
+                                 f"{self.memory_model!r}, {self.memory_depth}, {self.memory_batch_size}); set "
+                                 "update_rule='gradient' for these settings")
+            if self.max_lr > MAX_DELTA_RULE_LR:
+                raise ValueError(f"update_rule='delta' needs max_lr <= {MAX_DELTA_RULE_LR} (a step 2 theta <= 1 keeps "
+                                 f"each write a contraction along its key), got {self.max_lr}")
+        else:
+            if self.max_lr > MAX_GRADIENT_RULE_LR:
+                raise ValueError(f"max_lr={self.max_lr!r}: update_rule='gradient' needs max_lr <= "
+                                 f"{MAX_GRADIENT_RULE_LR:g} (its step is clipped, so a larger theta changes nothing "
+                                 "but the size of a surprise whose norm no longer fits float32: the write would "
+                                 "vanish)")
+            if self.max_memory_norm is not None:
+                raise ValueError("max_memory_norm bounds the delta rule's state; update_rule='gradient' is bounded by "
+                                 "its surprise clip and the forget gate")
+        if self.variant == "mac":
+            if self.num_memory_tokens < 1:
+                raise ValueError("variant 'mac' needs num_memory_tokens >= 1 (the memory reaches attention through "
+                                 "them)")
+        elif self.num_memory_tokens or self.num_persistent_tokens:
+            raise ValueError(f"num_memory_tokens / num_persistent_tokens are only used by variant 'mac', got "
+                             f"variant={self.variant!r}")
         if self.memory_layers is not None:
             if (not isinstance(self.memory_layers, (list, tuple)) or not self.memory_layers
                     or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.memory_layers)):
@@ -300,12 +321,10 @@ class TitansMemoryConfig:
     def from_dict(cls, values: Any, source: str = "memory config") -> "TitansMemoryConfig":
         """Build from a dict of known settings only; anything else is a ValueError naming `source`.
 
-        Three kinds of dict: a saved config of the current format (`format_version`, as `to_dict` writes it) must
-        hold every field, so that nothing in it falls back to a default that could change its meaning; a saved config
-        from before formats were numbered (it carries `titans_hf_version` but no `format_version`) gets, for each
-        setting it lacks, the value memories had before that setting existed (`SETTINGS_BEFORE_THEY_EXISTED`), unless
-        it holds a setting that came with or after it (then it lost it, and is refused); any other dict holds
-        settings over the defaults (what `from_base(**settings)` passes)."""
+        Two kinds of dict: a saved config (it carries `format_version` or `titans_hf_version`, as `to_dict` writes
+        them) must be of the current format and hold every field, so that nothing in it falls back to a default that
+        could change its meaning (one without `format_version` was written before titans_hf's first release, 0.3.0,
+        and is refused); any other dict holds settings over the defaults (what `from_base(**settings)` passes)."""
         if not isinstance(values, dict):
             raise ValueError(f"{source}: expected a JSON object of memory settings, got {type(values).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
@@ -313,7 +332,12 @@ class TitansMemoryConfig:
         if unknown:
             raise ValueError(f"{source}: unknown memory setting(s) {unknown}; known: {sorted(known)}")
         values = dict(values)
-        if "format_version" in values:
+        if "format_version" in values or "titans_hf_version" in values:
+            if "format_version" not in values:
+                raise ValueError(f"{source}: no format_version: the memory config is from before titans_hf's first "
+                                 "release (0.3.0), when a setting a file lacked took a default that has changed since; "
+                                 "it must be saved again (TitansMemoryConfig(...).save_pretrained) by titans_hf 0.3.0 "
+                                 "or later")
             version = values.pop("format_version")
             if version != MEMORY_CONFIG_FORMAT_VERSION or isinstance(version, bool):
                 raise ValueError(f"{source}: format_version={version!r}; this titans_hf ({__version__}) reads memory "
@@ -324,16 +348,6 @@ class TitansMemoryConfig:
                 raise ValueError(f"{source}: {', '.join(missing)} missing: a memory config of format_version "
                                  f"{version} holds every field, and a default in place of one may not be what the "
                                  "memory was trained with (the file was edited or cut short)")
-        elif "titans_hf_version" in values:
-            for name, (before, later) in SETTINGS_BEFORE_THEY_EXISTED.items():
-                if name in values:
-                    continue
-                written_after = [setting for setting in later if setting in values]
-                if written_after:
-                    raise ValueError(f"{source}: {name} missing, though the file holds {', '.join(written_after)}, "
-                                     f"which came with or after it: the file lost it (a default in its place may not "
-                                     "be what the memory was trained with)")
-                values[name] = before
         try:
             return cls(**values)
         except (TypeError, ValueError) as error:
@@ -386,7 +400,7 @@ class TitansQwenConfig(PreTrainedConfig):
     The Qwen config must live under the name `text_config`: `generate()` builds its cache from
     `config.get_text_config(decoder=True)`, which only looks under a few fixed names. The memory config is fitted to
     the base on construction: its default layer (the middle one) and head count are filled in, its base shape is
-    recorded, and its variant and memory model are checked against their registries.
+    recorded (`TitansMemoryConfig` itself checks every setting).
 
     Args:
         text_config: the backbone's Qwen2Config / Qwen3Config (or its dict).
@@ -417,23 +431,6 @@ class TitansQwenConfig(PreTrainedConfig):
         elif isinstance(memory, dict):
             memory = TitansMemoryConfig.from_dict(memory, source="memory_config")
         memory = memory.for_base(text)
-        for name, value, registry in (("variant", memory.variant, MEMORY_VARIANTS),
-                                      ("memory_model", memory.memory_model, MEMORY_MODELS),
-                                      ("conv_init", memory.conv_init, CONV_INITS)):
-            if value not in registry:
-                raise ValueError(f"{name}={value!r} must be one of {sorted(registry)}")
-        if memory.update_rule == "delta":
-            if memory.memory_depth != 1 or memory.memory_batch_size not in (None, memory.memory_chunk_size):
-                raise ValueError(f"update_rule='delta' writes the linear memory token by token: it needs "
-                                 f"memory_depth=1 and no memory_batch_size (got {memory.memory_depth}, "
-                                 f"{memory.memory_batch_size}); set update_rule='gradient' for these settings")
-            if memory.max_lr > 0.5:
-                raise ValueError(f"update_rule='delta' needs max_lr <= 0.5 (a step 2 theta <= 1 keeps each write a "
-                                 f"contraction along its key), got {memory.max_lr}")
-        elif memory.max_memory_norm is not None:
-            raise ValueError("max_memory_norm bounds the delta rule's state; update_rule='gradient' is bounded by "
-                             "its surprise clip and the forget gate")
-        MEMORY_VARIANTS[memory.variant].check_config(memory)
         if memory.attend_previous_chunk and set(text.layer_types) != {"full_attention"}:
             raise ValueError(f"attend_previous_chunk needs full-attention layers; this base's layer_types are "
                              f"{sorted(set(text.layer_types))}")

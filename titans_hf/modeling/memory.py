@@ -1,6 +1,7 @@
 """Titans neural long-term memory (Behrouz et al. 2025, arXiv 2501.00663): an MLP whose weights learn at test time.
 
-Exact definitions (the tests' reference loop restates them; `H` heads of size `d`, all heads batched):
+Exact definitions (the tests restate the token inputs, and :func:`.ops.naive` the update rules, token by token; `H`
+heads of size `d`, all heads batched):
 
 * ``x_t = RMSNorm(h_t) = h_t / sqrt(mean(h_t**2) + eps) * g`` (learned ``g``).
 * ``[q, k, v]_t = causal_depthwise_conv(x W_qkv)_t``: per channel ``c``,
@@ -14,10 +15,11 @@ Exact definitions (the tests' reference loop restates them; `H` heads of size `d
 * Gates from ``x_t W_g + b_g`` (``3H`` logits): ``theta_t = max_lr * sigmoid(logit_theta) * mask_t`` per token,
   ``eta_j = sigmoid(mean logit_eta)`` and ``alpha_j = sigmoid(mean logit_alpha)`` where the mean runs over the real
   (mask = 1) tokens of update chunk ``j``.
-* Update chunk ``j`` = tokens ``[j*C, (j+1)*C)`` with ``C = chunk_size``; memory batch ``b`` = chunks
-  ``[b*m, (b+1)*m)`` with ``m = batch_size // chunk_size``. Surprise of chunk ``j``:
-  ``G_j = grad_W sum_{t in j} theta_t ||M_W(k_t) - v_t||^2`` at ``W = W_{b*m-1}`` (weights before its batch; with the
-  default ``batch_size = chunk_size`` this is ``W_{j-1}``), clipped per head:
+* Update chunk ``j`` = tokens ``[j*C, (j+1)*C)`` with ``C = memory_chunk_size``; memory batch ``b`` = chunks
+  ``[b*m, (b+1)*m)`` with ``m = memory_batch_size // memory_chunk_size``. Surprise of chunk ``j`` (the gradient rule,
+  ``update_rule="gradient"``): ``G_j = grad_W sum_{t in j} theta_t ||M_W(k_t) - v_t||^2`` at ``W = W_{b*m-1}``
+  (weights before its batch; with the default ``memory_batch_size = memory_chunk_size`` this is ``W_{j-1}``), clipped
+  per head:
   ``G_j *= c / max(||G_j||, c)`` with ``||G_j||`` the norm over all layers and ``c = max_surprise_norm``.
   ``S_j = eta_j S_{j-1} - G_j``; ``W_j = (1 - alpha_j) W_{j-1} + S_j``; ``S_{-1} = 0``, ``W_{-1}`` = initial weights.
   A chunk without any real token leaves ``S`` and ``W`` unchanged.
@@ -36,14 +38,18 @@ Exact definitions (the tests' reference loop restates them; `H` heads of size `d
   since a chunk's summed gradient multiplies the step by the chunk length; the surprise clip then bounds every
   update, so ``||W_j|| <= ||W_{-1}|| + c / ((1 - max eta) min alpha)`` per head.
 
+The update rules are ops of one signature in :mod:`titans_hf.modeling.ops` (``gradient``, ``gradient_linear``,
+``delta``, and the reference ``naive``); a `NeuralMemory` binds its rule's op once, when it is built, from
+:data:`~.ops.UPDATE_OPS`, where a device kernel of the same signature may take the place of torch's.
+
 A memory model is a :class:`MemoryModel`: weight shapes, init and ``M_W(z)``; its inner gradients then come from
 autograd. An :class:`ExplicitMemoryModel` (the MLP) writes the inner gradient and its reverse out as batched
-matmuls, so each update chunk runs as one autograd node (:class:`_ChunkStep`) and the surprise of a memory batch as
+matmuls, so each update chunk runs as one autograd node (``ops._ChunkStep``) and the surprise of a memory batch as
 another (:class:`_Surprise`); all heads, and all chunks of a memory batch, run as single matmuls either way. At depth 1
 (``M_W(z) = z + z W``, the default) the surprise is affine in ``W`` and the reads are linear in it: the stream then
-runs as a scan that only writes, and every chunk's reads are one product after it (:meth:`NeuralMemory._scan_affine`;
-the delta rule's :meth:`NeuralMemory._scan_delta` solves each chunk's triangular system for all chunks before its
-loop, the WY form of DeltaNet's chunkwise algorithm).
+runs as a scan that only writes, and every chunk's reads are one product after it (``ops.gradient_linear``; the delta
+rule's ``ops.delta`` solves each chunk's triangular system for all chunks before its loop, the WY form of DeltaNet's
+chunkwise algorithm).
 State is fp32 (fp64 when the module is fp64) whatever the activation dtype, and everything needed to continue
 mid-chunk lives in :class:`MemoryState`, so feeding the tokens in any pieces gives the same reads and state as one
 pass.
@@ -53,12 +59,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .configuration_titans_qwen import CONV_INITS
+from .ops import UPDATE_OPS, UpdateSettings
 
 _LIST_FIELDS = ("weights", "momentum", "batch_start_weights")
 _TENSOR_FIELDS = ("conv_tail", "buffer_keys", "buffer_values", "buffer_lr", "buffer_gate_logits", "buffer_mask")
@@ -68,7 +77,7 @@ _TENSOR_FIELDS = ("conv_tail", "buffer_keys", "buffer_values", "buffer_lr", "buf
 class MemoryState:
     """Everything the memory needs to continue a stream exactly where it stopped.
 
-    The buffers hold the ``position % chunk_size`` tokens of the update chunk that has started but not finished:
+    The buffers hold the ``position % memory_chunk_size`` tokens of the update chunk that has started but not finished:
     they were already read, and will write once their chunk completes.
     """
 
@@ -111,6 +120,31 @@ class MemoryState:
         index = torch.as_tensor(index, dtype=torch.long, device=self.conv_tail.device)
         return self._map(lambda t: t.index_select(0, index))
 
+    def with_rows_from(self, other: "MemoryState", rows: Tensor) -> "MemoryState":
+        """This state with `other`'s fast weights and momentum (what a row's memory learnt) in the rows where `rows`
+        ([batch] bool) is true, State Passing's mix: the convolution tail, the buffers and the position stay this
+        state's, since a row that keeps its memory still starts a new text. `other`'s rows line up with this state's
+        from the first; it may hold more (the rest are not read) or fewer (rows past its count cannot be taken)."""
+        count = self.batch_size
+        if tuple(rows.shape) != (count,) or bool(rows[other.batch_size:].any()):
+            raise ValueError(f"MemoryState.with_rows_from: rows must be a mask of this state's {count} rows, marking "
+                             f"none past the other state's {other.batch_size}; got {rows.tolist()}")
+
+        def mixed(mine: list[Tensor], theirs: list[Tensor]) -> list[Tensor]:
+            out = []
+            for new, old in zip(mine, theirs):
+                taken = rows.to(new.device).view(-1, *[1] * (new.dim() - 1))
+                old = (torch.cat([old[:count].to(new.dtype), new[old.shape[0]:].detach()]) if old.shape[0] < count
+                       else old[:count])
+                out.append(torch.where(taken, old.to(new.dtype), new))
+            return out
+
+        weights = mixed(self.weights, other.weights)
+        shared = self.batch_start_weights is self.weights
+        return replace(self, weights=weights, momentum=mixed(self.momentum, other.momentum),
+                       batch_start_weights=weights if shared else mixed(self.batch_start_weights,
+                                                                        other.batch_start_weights))
+
     @classmethod
     def concatenated(cls, states: Sequence["MemoryState"]) -> "MemoryState":
         """The rows of `states` (all at one position) one after another in one batch."""
@@ -152,12 +186,6 @@ class MemoryState:
                    position=int(state_dict["position"]))
 
 
-CONV_INITS = ("identity", "window")
-# How an update chunk writes: "gradient" (Titans' chunked rule: every token's gradient at the chunk's starting weights,
-# clipped, with momentum) or "delta" (the exact per-token delta rule, a contraction along each key)
-UPDATE_RULES = ("gradient", "delta")
-
-
 # ---- memory models ----
 # Fast weights are lists of [rows, d_in, d_out] tensors, rows = batch * heads, so every product is one bmm; where a
 # memory batch reads with several chunks' weights at once they carry a chunk axis after rows ([rows, n, d_in, d_out]
@@ -169,7 +197,7 @@ class MemoryModel(ABC):
 
     A subclass sets :attr:`shapes` in ``__init__(head_dim, depth, expansion)`` (it may ignore depth and expansion)
     and defines ``__call__``; :meth:`surprise` then takes the inner gradients by autograd, and every update chunk runs
-    the memory-batch path of :meth:`NeuralMemory.forward`. Add it to :data:`MEMORY_MODELS` to select it by name.
+    the memory-batch path of :func:`.ops.gradient`. Add it to :data:`MEMORY_MODELS` to select it by name.
     """
 
     shapes: list[tuple[int, int]]  # (d_in, d_out) of each fast weight, in order
@@ -198,7 +226,7 @@ class MemoryModel(ABC):
 
 class ExplicitMemoryModel(MemoryModel):
     """A memory model whose inner gradient and its reverse are written out (no autograd inside): an update chunk whose
-    reads and surprise share the current weights then runs as one autograd node (:class:`_ChunkStep`), and the
+    reads and surprise share the current weights then runs as one autograd node (``ops._ChunkStep``), and the
     surprise of a memory batch as another (:class:`_Surprise`).
 
     Both methods see rows ``z`` [rows, r + n * C, d] through weights [rows, d_in, d_out] shared by all of them: the
@@ -332,20 +360,26 @@ MEMORY_MODELS: dict[str, type[MemoryModel]] = {"mlp": MLPMemory}
 
 class NeuralMemory(nn.Module):
     """Multi-head Titans memory: ``forward(hidden, state) -> (reads, new_state)``; no output projection (the model
-    owns it). `memory_model` names the function each head learns, a key of :data:`MEMORY_MODELS`. See the module
-    docstring for the exact math."""
+    owns it). See the module docstring for the exact math.
+
+    The arguments carry the names of the `TitansMemoryConfig` fields they come from, as values the config resolved
+    and checked (its per-rule defaults and limits are not checked again here): `memory_model` names the function each
+    head learns, a key of :data:`MEMORY_MODELS`; `update_rule` its rule, a key of :data:`~.ops.UPDATE_OPS`, whose op
+    the memory binds once, here (a kernel set there, else torch's); the delta rule needs the linear memory
+    (`memory_depth` 1), no memory batch, ``max_lr <= 0.5`` and a `max_memory_norm`. `max_surprise_norm` (the gradient
+    rule's clip) and `momentum_bias_init` are no config fields: a model's memories take their defaults."""
 
     def __init__(
         self,
         hidden_size: int,
-        num_heads: int,
-        head_dim: int,
-        depth: int = 2,
-        expansion: int = 4,
+        memory_num_heads: int,
+        memory_head_dim: int,
+        memory_depth: int = 2,
+        memory_expansion: int = 4,
         conv_kernel: int = 4,
         conv_init: str = "identity",
-        chunk_size: int = 64,
-        batch_size: int | None = None,
+        memory_chunk_size: int = 64,
+        memory_batch_size: int | None = None,
         max_lr: float = 0.1,
         max_surprise_norm: float | None = 1.0,
         theta_bias_init: float = -2.0,
@@ -357,56 +391,49 @@ class NeuralMemory(nn.Module):
         max_memory_norm: float | None = None,
     ):
         super().__init__()
-        for name, value in dict(hidden_size=hidden_size, num_heads=num_heads, head_dim=head_dim, depth=depth,
-                                expansion=expansion, conv_kernel=conv_kernel, chunk_size=chunk_size).items():
+        for name, value in dict(hidden_size=hidden_size, memory_num_heads=memory_num_heads,
+                                memory_head_dim=memory_head_dim, memory_depth=memory_depth,
+                                memory_expansion=memory_expansion, conv_kernel=conv_kernel,
+                                memory_chunk_size=memory_chunk_size).items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"NeuralMemory: {name} must be a positive integer, got {value!r}")
         if conv_init not in CONV_INITS:
             raise ValueError(f"NeuralMemory: conv_init must be one of {CONV_INITS}, got {conv_init!r}")
         if memory_model not in MEMORY_MODELS:
             raise ValueError(f"NeuralMemory: memory_model must be one of {sorted(MEMORY_MODELS)}, got {memory_model!r}")
-        batch_size = chunk_size if batch_size is None else batch_size
-        if batch_size < chunk_size or batch_size % chunk_size:
-            raise ValueError(f"NeuralMemory: batch_size ({batch_size}) must be a multiple of chunk_size ({chunk_size})")
+        if update_rule not in UPDATE_OPS:
+            raise ValueError(f"NeuralMemory: update_rule must be one of {sorted(UPDATE_OPS)}, got {update_rule!r}")
+        memory_batch_size = memory_chunk_size if memory_batch_size is None else memory_batch_size
+        if memory_batch_size < memory_chunk_size or memory_batch_size % memory_chunk_size:
+            raise ValueError(f"NeuralMemory: memory_batch_size ({memory_batch_size}) must be a multiple of "
+                             f"memory_chunk_size ({memory_chunk_size})")
         if not max_lr > 0:
             raise ValueError(f"NeuralMemory: max_lr must be > 0, got {max_lr}")
         if max_surprise_norm is not None and not max_surprise_norm > 0:
             raise ValueError(f"NeuralMemory: max_surprise_norm must be > 0 or None, got {max_surprise_norm}")
-        if update_rule not in UPDATE_RULES:
-            raise ValueError(f"NeuralMemory: update_rule must be one of {UPDATE_RULES}, got {update_rule!r}")
-        if update_rule == "delta":
-            if memory_model != "mlp" or depth != 1:
-                raise ValueError(f"NeuralMemory: update_rule='delta' needs the linear memory (memory_model='mlp', "
-                                 f"depth=1), got memory_model={memory_model!r}, depth={depth}")
-            if batch_size != chunk_size:
-                raise ValueError(f"NeuralMemory: update_rule='delta' takes every token's step at the weights it "
-                                 f"meets, so batch_size ({batch_size}) must equal chunk_size ({chunk_size})")
-            if max_lr > 0.5:
-                raise ValueError(f"NeuralMemory: update_rule='delta' needs max_lr <= 0.5 (a step 2 theta <= 1 keeps "
-                                 f"each write a contraction along its key), got {max_lr}")
-            if max_memory_norm is None or not max_memory_norm > 0:
-                raise ValueError(f"NeuralMemory: update_rule='delta' needs max_memory_norm > 0, got {max_memory_norm}")
-        elif max_memory_norm is not None:
-            raise ValueError("NeuralMemory: max_memory_norm bounds the delta rule's state; update_rule='gradient' is "
-                             "bounded by max_surprise_norm and the forget gate")
-        self.hidden_size, self.num_heads, self.head_dim, self.depth = hidden_size, num_heads, head_dim, depth
-        self.conv_kernel, self.chunk_size, self.batch_size = conv_kernel, chunk_size, batch_size
-        self.conv_init, self.memory_model = conv_init, memory_model
-        self.model = MEMORY_MODELS[memory_model](head_dim, depth, expansion)
-        # M_W(z) = z + z W: the surprise is affine in W, and the stream runs as :meth:`_scan_affine`
+        self.hidden_size, self.memory_num_heads, self.memory_head_dim = hidden_size, memory_num_heads, memory_head_dim
+        self.memory_depth, self.conv_kernel, self.conv_init = memory_depth, conv_kernel, conv_init
+        self.memory_chunk_size, self.memory_batch_size = memory_chunk_size, memory_batch_size
+        self.memory_model = memory_model
+        self.model = MEMORY_MODELS[memory_model](memory_head_dim, memory_depth, memory_expansion)
+        # M_W(z) = z + z W: the surprise is affine in W, and the gradient rule runs as ops.gradient_linear
         self.affine = isinstance(self.model, MLPMemory) and len(self.model.shapes) == 1
-        self.chunks_per_batch = batch_size // chunk_size
         self.max_lr, self.max_surprise_norm = max_lr, max_surprise_norm
         self.update_rule, self.max_memory_norm = update_rule, max_memory_norm
+        self.update_op = UPDATE_OPS[update_rule].bind(linear_memory=self.affine)
+        self.update_settings = UpdateSettings(
+            model=self.model, update_rule=update_rule, memory_chunk_size=memory_chunk_size,
+            chunks_per_batch=memory_batch_size // memory_chunk_size, max_surprise_norm=max_surprise_norm,
+            max_memory_norm=max_memory_norm, explicit_gradient=isinstance(self.model, ExplicitMemoryModel))
         self.bias_init = (theta_bias_init, momentum_bias_init, forget_bias_init)
-        inner = num_heads * head_dim
+        inner = memory_num_heads * memory_head_dim
 
         self.norm = nn.RMSNorm(hidden_size, eps=norm_eps)
         self.to_qkv = nn.Linear(hidden_size, 3 * inner, bias=False)
         self.conv_weight = nn.Parameter(torch.empty(3 * inner, conv_kernel))
-        self.to_gates = nn.Linear(hidden_size, 3 * num_heads)
+        self.to_gates = nn.Linear(hidden_size, 3 * memory_num_heads)
         self.initial_weights = nn.ParameterList(
-            nn.Parameter(torch.empty(num_heads, d_in, d_out)) for d_in, d_out in self.model.shapes
+            nn.Parameter(torch.empty(memory_num_heads, d_in, d_out)) for d_in, d_out in self.model.shapes
         )
         self.reset_parameters()
 
@@ -421,9 +448,9 @@ class NeuralMemory(nn.Module):
             self.conv_weight.zero_()
             self.conv_weight[:, -1] = 1.0
             if self.conv_init == "window":
-                self.conv_weight[: 2 * self.num_heads * self.head_dim] = 1.0 / self.conv_kernel
+                self.conv_weight[: 2 * self.memory_num_heads * self.memory_head_dim] = 1.0 / self.conv_kernel
             nn.init.normal_(self.to_gates.weight, std=self.hidden_size**-0.5)
-            bias = self.to_gates.bias.view(3, self.num_heads)
+            bias = self.to_gates.bias.view(3, self.memory_num_heads)
             for row, value in zip(bias, self.bias_init):
                 row.fill_(value)
             self.model.init_weights(self.initial_weights)
@@ -435,7 +462,7 @@ class NeuralMemory(nn.Module):
     def init_state(self, batch_size: int, device: torch.device | str | None = None) -> MemoryState:
         """Fresh state; its weights stay connected to `initial_weights`, so the outer loss trains them."""
         device = self.to_qkv.weight.device if device is None else device
-        dtype, heads, d = self.state_dtype, self.num_heads, self.head_dim
+        dtype, heads, d = self.state_dtype, self.memory_num_heads, self.memory_head_dim
         weights = [w.to(device=device, dtype=dtype).unsqueeze(0).expand(batch_size, -1, -1, -1)
                    for w in self.initial_weights]
         empty = dict(device=device, dtype=dtype)
@@ -456,7 +483,8 @@ class NeuralMemory(nn.Module):
         """Read without writing: ``M_W(q)`` with the state's current weights for `hidden` [B or 1, M, hidden_size]
         that is not part of the stream (e.g. MAC's learned memory queries). Such tokens have no history, so only
         the convolution's current-token tap applies. Returns [B, M, H*d] in hidden's dtype."""
-        rows, H, d, inner = state.batch_size, self.num_heads, self.head_dim, self.num_heads * self.head_dim
+        rows, H, d = state.batch_size, self.memory_num_heads, self.memory_head_dim
+        inner = H * d
         if hidden.dim() != 3 or hidden.shape[-1] != self.hidden_size or hidden.shape[0] not in (1, rows):
             raise ValueError(f"NeuralMemory.retrieve: hidden must be [1 or {rows}, tokens, {self.hidden_size}], "
                              f"got {tuple(hidden.shape)}")
@@ -470,22 +498,22 @@ class NeuralMemory(nn.Module):
     def state_problem(self, state: MemoryState, batch_size: int) -> str | None:
         """What keeps `state` from continuing this memory's stream for `batch_size` rows, as "<field>: expected ...,
         got ...": the first field that is not what `init_state` makes for this memory (a list of one tensor per fast
-        weight; tensors of its shapes, the buffers holding ``position % chunk_size`` tokens, in the state dtype), a
-        `position` that is not a count of tokens, or a tensor holding NaN or inf; None when it can continue it.
-        Shapes and dtypes are read without touching the values; finiteness is one reduction per tensor and one
+        weight; tensors of its shapes, the buffers holding ``position % memory_chunk_size`` tokens, in the state
+        dtype), a `position` that is not a count of tokens, or a tensor holding NaN or inf; None when it can continue
+        it. Shapes and dtypes are read without touching the values; finiteness is one reduction per tensor and one
         device sync for all of them."""
         position = state.position
         if isinstance(position, bool) or not isinstance(position, int) or position < 0:
             return f"position: expected the number of tokens seen (an integer >= 0), got {position!r}"
-        B, H, d, dtype = batch_size, self.num_heads, self.head_dim, self.state_dtype
-        held = position % self.chunk_size  # tokens of the unfinished update chunk
+        B, H, d, dtype = batch_size, self.memory_num_heads, self.memory_head_dim, self.state_dtype
+        held = position % self.memory_chunk_size  # tokens of the unfinished update chunk
         expected: list[tuple[str, Any, tuple[int, ...]]] = []
         for name in _LIST_FIELDS:
             tensors = getattr(state, name)
             if not isinstance(tensors, (list, tuple)) or len(tensors) != len(self.model.shapes):
                 got = f"{len(tensors)} tensors" if isinstance(tensors, (list, tuple)) else f"a {type(tensors).__name__}"
                 return (f"{name}: expected a list of {len(self.model.shapes)} tensor(s), one per fast weight of this "
-                        f"memory ({self.memory_model}, depth {self.depth}), got {got}")
+                        f"memory ({self.memory_model}, depth {self.memory_depth}), got {got}")
             expected += [(f"{name}[{i}]", tensor, (B, H, d_in, d_out))
                          for i, (tensor, (d_in, d_out)) in enumerate(zip(tensors, self.model.shapes))]
         expected += [("conv_tail", state.conv_tail, (B, self.conv_kernel - 1, 3 * H * d)),
@@ -499,7 +527,8 @@ class NeuralMemory(nn.Module):
                 got = (f"a {tensor.dtype} tensor of shape {tuple(tensor.shape)}" if isinstance(tensor, Tensor)
                        else f"a {type(tensor).__name__}")
                 why = "" if not label.startswith("buffer_") else (
-                    f" (position {position} leaves {held} token(s) of an unfinished update chunk of {self.chunk_size})")
+                    f" (position {position} leaves {held} token(s) of an unfinished update chunk of "
+                    f"{self.memory_chunk_size})")
                 return f"{label}: expected a {dtype} tensor of shape {shape}{why}, got {got}"
         present = [(label, tensor) for label, tensor, _ in expected if tensor.numel()]
         device = present[0][1].device
@@ -516,7 +545,7 @@ class NeuralMemory(nn.Module):
         previous tokens' K-1 projections), theta [B, H, T] (zero where `real` [B, T] is 0), the momentum and forget
         logits [B, T, 2H] (averaged per update chunk by the caller) and the new conv tail; all in the state dtype."""
         B, T, _ = hidden.shape
-        H, d, dtype = self.num_heads, self.head_dim, self.state_dtype
+        H, d, dtype = self.memory_num_heads, self.memory_head_dim, self.state_dtype
         x = self.norm(hidden.to(self.to_qkv.weight.dtype))
         qkv = self.to_qkv(x).to(dtype)
         gates = self.to_gates(x).to(dtype)
@@ -534,145 +563,6 @@ class NeuralMemory(nn.Module):
         lr = (self.max_lr * torch.sigmoid(gates[..., :H]) * real[..., None]).transpose(1, 2)  # [B, H, T]
         return q, k, v, lr, gates[..., H:], conv_tail
 
-    # ---- the update rule ----
-
-    def _clip_scale(self, grads: Sequence[Tensor]) -> Tensor | None:
-        """The clip factor c / max(||G||, c) per row and chunk ([rows, n, 1, 1]; None without a clip)."""
-        if self.max_surprise_norm is None:
-            return None
-        # vector_norm's backward is safe at 0 (a fully padded chunk), sqrt(sum of squares) would give NaN
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dim=(-2, -1)) for g in grads]), dim=0)
-        return (self.max_surprise_norm / norm.clamp(min=self.max_surprise_norm))[..., None, None]
-
-    @staticmethod
-    def _step(weights, momentum, grads, scale, eta, keep, valid):
-        """S_j = eta S_{j-1} - scale G_j, W_j = (1 - alpha) W_{j-1} + S_j; rows without real tokens keep their state."""
-        if scale is None:
-            new_momentum = [eta * s - g for s, g in zip(momentum, grads)]
-        else:
-            new_momentum = [torch.addcmul(eta * s, scale, g, value=-1) for s, g in zip(momentum, grads)]
-        new_weights = [torch.addcmul(s, keep, w) for w, s in zip(weights, new_momentum)]
-        return _keep_rows_without_tokens(new_weights, new_momentum, weights, momentum, valid)
-
-    def _scan(self, q: Tensor, k: Tensor, v: Tensor, lr2: Tensor, etas: Sequence[Tensor], keeps: Sequence[Tensor],
-              valids: Sequence[Tensor | None], weights: list[Tensor], momentum: list[Tensor], grad_point: list[Tensor],
-              first_chunk: int) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:
-        """Read and write `q`, `k`, `v` [rows, N, d] and ``2 theta`` [rows, N] chunk after chunk, from fast weights,
-        momentum and gradient point (lists [rows, d_in, d_out]) at update chunk `first_chunk` of the stream, with the
-        per-chunk gates `etas`, `keeps` and `valids` (one [rows, 1, 1] each, a valid None: every row). Returns the reads
-        [rows, N, d] and the weights, momentum and gradient point after the last full chunk."""
-        C, m, (BH, N, d) = self.chunk_size, self.chunks_per_batch, q.shape
-        n_full, L = N // C, len(weights)
-        # groups of consecutive full chunks that share one gradient point (the rest of a memory batch)
-        groups, i = [], 0
-        while i < n_full:
-            groups.append(min(n_full - i, m - (first_chunk + i) % m))
-            i += groups[-1]
-        sizes = [n * C for n in groups] + ([N - n_full * C] if N > n_full * C else [])
-        # cut with `split`: one backward node, where slicing zero-fills one full-size gradient per slice
-        q_parts, k_parts, v_parts, lr2_parts = (t.split(sizes, dim=1) for t in (q, k, v, lr2))
-        fused = isinstance(self.model, ExplicitMemoryModel)
-        qk_parts = None
-        if fused and m == 1 and n_full:  # every whole chunk one fused step: its [q; k] block, all cut at once
-            whole = lambda t: t[:, :n_full * C].view(BH, n_full, C, d)  # noqa: E731
-            qk_parts = torch.cat([whole(q), whole(k)], dim=2).unbind(1)
-        reads, chunk = [], 0
-        for g, n in enumerate(groups):
-            if fused and n == 1 and grad_point is weights:  # the paper's rule: reads and surprise share W_{j-1}
-                inputs = (*weights, *momentum, qk_parts[g] if qk_parts else torch.cat([q_parts[g], k_parts[g]], 1),
-                          v_parts[g], lr2_parts[g], etas[chunk], keeps[chunk])
-                if torch.is_grad_enabled():
-                    out = _ChunkStep.apply(self.model, self.max_surprise_norm, *inputs)
-                    read, new_weights, new_momentum = out[0], out[1:L + 1], out[L + 1:]
-                else:
-                    read, new_weights, new_momentum = _ChunkStep.step(self.model, self.max_surprise_norm, *inputs)[:3]
-                reads.append(read)
-                weights, momentum = _keep_rows_without_tokens(new_weights, new_momentum, weights, momentum,
-                                                              valids[chunk])
-            else:
-                split = lambda t: t.unflatten(1, (n, C))  # noqa: E731
-                grads = self.model.surprise(grad_point, split(k_parts[g]), split(v_parts[g]), split(lr2_parts[g]))
-                scale = self._clip_scale(grads)
-                grads = list(zip(*[g_.unbind(1) for g_ in grads]))
-                scales = [None] * n if scale is None else scale.unbind(1)
-                read_weights = []
-                for j in range(n):
-                    read_weights.append(weights)
-                    weights, momentum = self._step(weights, momentum, grads[j], scales[j], etas[chunk + j],
-                                                   keeps[chunk + j], valids[chunk + j])
-                stacked = [torch.stack(ws, dim=1) for ws in zip(*read_weights)]
-                reads.append(self.model(stacked, split(q_parts[g])).flatten(1, 2))
-            chunk += n
-            if (first_chunk + chunk) % m == 0:
-                grad_point = weights
-        if N > n_full * C:  # the unfinished chunk reads the latest weights and waits in the buffer
-            reads.append(self.model(weights, q_parts[-1]))
-        return torch.cat(reads, dim=1) if len(reads) > 1 else reads[0], weights, momentum, grad_point
-
-    def _scan_affine(self, q: Tensor, k: Tensor, v: Tensor, lr2: Tensor, etas: Sequence[Tensor],
-                     keeps: Sequence[Tensor], valids: Sequence[Tensor | None], weights: list[Tensor],
-                     momentum: list[Tensor], grad_point: list[Tensor], first_chunk: int
-                     ) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:
-        """:meth:`_scan` for the linear memory ``M_W(z) = z + z W``: its surprise
-        ``G_j = (diag(2 theta) K_j)^T (K_j - V_j + K_j W)`` is two products at the gradient point, and its reads are
-        linear in the weights, so the scan writes (two products and a few [d, d] operations per update chunk) and the
-        reads of all chunks are one product after it."""
-        C, m, clip, N = self.chunk_size, self.chunks_per_batch, self.max_surprise_norm, q.shape[1]
-        n_full = N // C
-        (W,), (S,), (point,) = weights, momentum, grad_point
-        whole = lambda t: t[:, :n_full * C].unflatten(1, (n_full, C))  # noqa: E731
-        keys = whole(k)
-        scaled_keys = (keys * whole(lr2).unsqueeze(-1)).transpose(-1, -2).unbind(1)
-        residuals = (keys - whole(v)).unbind(1)
-        keys = keys.unbind(1)
-        read_weights = []
-        for j in range(n_full):
-            read_weights.append(W)
-            G = torch.bmm(scaled_keys[j], torch.baddbmm(residuals[j], keys[j], point))
-            if clip is None:
-                new_S = etas[j] * S - G
-            else:  # S' = eta S - clip G / max(||G||, clip)
-                norm = torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True)
-                new_S = torch.addcdiv(etas[j] * S, G, norm.clamp(min=clip), value=-clip)
-            (W,), (S,) = _keep_rows_without_tokens([torch.addcmul(new_S, keeps[j], W)], [new_S], [W], [S], valids[j])
-            if (first_chunk + j + 1) % m == 0:
-                point = W
-        reads = _linear_reads(q, read_weights, W, C)
-        weights = [W]
-        return reads, weights, [S], weights if point is W else [point]
-
-    def _scan_delta(self, q: Tensor, k: Tensor, v: Tensor, lr2: Tensor, etas: Sequence[Tensor],
-                    keeps: Sequence[Tensor], valids: Sequence[Tensor | None], weights: list[Tensor],
-                    momentum: list[Tensor], grad_point: list[Tensor], first_chunk: int
-                    ) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:
-        """:meth:`_scan` for the delta rule (``update_rule="delta"``, the linear memory): every token of update chunk
-        ``j`` takes its step ``W += beta_t k_t^T (v_t - k_t - k_t W)`` (``beta = 2 theta``) at the weights the
-        tokens before it left, computed chunk-parallel in the WY form: ``U_j = P_j - Q_j W_{j-1}`` with
-        ``[P_j, Q_j] = (I + tril(diag(beta) K_j K_j^T, -1))^-1 diag(beta) [V_j - K_j, K_j]`` solved for all chunks
-        at once before the loop, then ``W_j = (1 - alpha_j) W_{j-1} + K_j^T U_j`` rescaled to norm
-        ``max_memory_norm`` where it exceeds it. The loop holds two products a chunk; the reads of all chunks are one
-        product after it. Momentum is not used (it stays as it came)."""
-        C, cap, (N, d) = self.chunk_size, self.max_memory_norm, q.shape[1:]
-        n_full = N // C
-        (W,), (S,) = weights, momentum
-        whole = lambda t: t[:, :n_full * C].unflatten(1, (n_full, C))  # noqa: E731
-        keys, beta = whole(k), whole(lr2).unsqueeze(-1)
-        lower = torch.tril(beta * (keys @ keys.transpose(-1, -2)), diagonal=-1)
-        lower = lower + torch.eye(C, dtype=lower.dtype, device=lower.device)
-        targets = beta * torch.cat([whole(v) - keys, keys], dim=-1)
-        P, Q = torch.linalg.solve_triangular(lower, targets, upper=False, unitriangular=True).split(d, dim=-1)
-        keys_t, P, Q = keys.transpose(-1, -2).unbind(1), P.unbind(1), Q.unbind(1)
-        read_weights = []
-        for j in range(n_full):
-            read_weights.append(W)
-            new_W = torch.addcmul(torch.bmm(keys_t[j], torch.baddbmm(P[j], Q[j], W, alpha=-1)), keeps[j], W)
-            norm = torch.linalg.vector_norm(new_W, dim=(-2, -1), keepdim=True)
-            new_W = new_W * (cap / norm.clamp(min=cap))
-            (W,), _ = _keep_rows_without_tokens([new_W], [S], [W], [S], valids[j])
-        reads = _linear_reads(q, read_weights, W, C)
-        weights = [W]
-        return reads, weights, [S], weights
-
     # ---- forward ----
 
     def forward(self, hidden: Tensor, state: MemoryState | None = None, mask: Tensor | None = None
@@ -687,7 +577,7 @@ class NeuralMemory(nn.Module):
         state = self.init_state(B, hidden.device) if state is None else state
         if state.batch_size != B:
             raise ValueError(f"NeuralMemory: state holds {state.batch_size} rows but hidden has {B}")
-        H, d, C, dtype = self.num_heads, self.head_dim, self.chunk_size, self.state_dtype
+        H, d, C, dtype = self.memory_num_heads, self.memory_head_dim, self.memory_chunk_size, self.state_dtype
         BH = B * H
 
         real = torch.ones(B, T, device=hidden.device, dtype=dtype) if mask is None else mask.to(dtype)
@@ -723,11 +613,10 @@ class NeuralMemory(nn.Module):
         flat = lambda ws: [w.reshape(BH, *w.shape[2:]) for w in ws]  # noqa: E731
         weights, momentum = flat(state.weights), flat(state.momentum)
         grad_point = weights if state.batch_start_weights is state.weights else flat(state.batch_start_weights)
-        scan = self._scan_delta if self.update_rule == "delta" else self._scan_affine if self.affine else self._scan
         with torch.autocast(hidden.device.type, enabled=False):
-            reads, weights, momentum, grad_point = scan(
+            reads, weights, momentum, grad_point = self.update_op(
                 q.reshape(BH, N, d), k.reshape(BH, N, d), v.reshape(BH, N, d), (2 * lr).reshape(BH, N), etas, keeps,
-                valids, weights, momentum, grad_point, state.position // C)
+                valids, weights, momentum, grad_point, state.position // C, self.update_settings)
         out = reads[:, r:]
         out = out.view(B, H, T, d).transpose(1, 2).reshape(B, T, H * d).to(hidden.dtype)
 
@@ -748,30 +637,6 @@ class NeuralMemory(nn.Module):
             written=written,
         )
         return out, new_state
-
-
-def _linear_reads(q: Tensor, read_weights: list[Tensor], W: Tensor, chunk: int) -> Tensor:
-    """The linear memory's reads ``q + q W_j`` of queries `q` [rows, N, d]: the whole chunks' with the weights each
-    started with (`read_weights`, one [rows, d, d] a chunk) as one batched product, an unfinished chunk's with `W`."""
-    rows, N, d = q.shape
-    n_full = len(read_weights)
-    reads = []
-    if n_full:
-        queries = q[:, :n_full * chunk].unflatten(1, (n_full, chunk)).flatten(0, 1)
-        stacked = torch.stack(read_weights, dim=1).flatten(0, 1)
-        reads.append(torch.baddbmm(queries, queries, stacked).view(rows, n_full * chunk, d))
-    if N > n_full * chunk:
-        rest = q[:, n_full * chunk:]
-        reads.append(torch.baddbmm(rest, rest, W))
-    return torch.cat(reads, dim=1) if len(reads) > 1 else reads[0]
-
-
-def _keep_rows_without_tokens(new_weights, new_momentum, weights, momentum, valid: Tensor | None):
-    """A chunk without a single real token (padding only) leaves that row's weights and momentum untouched."""
-    if valid is None:
-        return list(new_weights), list(new_momentum)
-    return ([torch.where(valid, n, o) for n, o in zip(new_weights, weights)],
-            [torch.where(valid, n, o) for n, o in zip(new_momentum, momentum)])
 
 
 class _CausalDepthwiseConv(torch.autograd.Function):
@@ -810,85 +675,6 @@ def _residual_matmul(base: Tensor, a: Tensor, w: Tensor) -> Tensor:
 def _chunks(t: Tensor, chunk: int) -> Tensor:
     """[rows, n * chunk, f] as [rows * n, chunk, f]: a view where the layout allows (always for contiguous t)."""
     return t if t.shape[1] == chunk else t.reshape(-1, chunk, t.shape[-1])
-
-
-def _dots(xs: Sequence[Tensor], ys: Sequence[Tensor]) -> Tensor:
-    """sum_i <x_i, y_i> per row of [rows, m, n] tensors, as [rows, 1, 1] (vecdot: a batched GEMV is much slower)."""
-    total = None
-    for x, y in zip(xs, ys):
-        dot = torch.linalg.vecdot(x.flatten(1), y.flatten(1))
-        total = dot if total is None else total.add_(dot)
-    return total.view(-1, 1, 1)
-
-
-class _ChunkStep(torch.autograd.Function):
-    """One update chunk whose reads and surprise both use the current weights W (every chunk under the default
-    ``batch_size = chunk_size``), as a single autograd node: an :class:`ExplicitMemoryModel`'s inner gradient, the
-    clip and the update rule, and their reverse.
-
-    Inputs ``(model, clip, *W, *S, [q; k], v, 2 theta, eta, 1 - alpha)``, rows = batch * heads; outputs
-    ``(read, *W_new, *S_new)``. Queries and keys go through the model as one [2C, d] block. Saves the inputs, the
-    error and (with a clip) G; the model recomputes its activations in the backward.
-    """
-
-    @staticmethod
-    def step(model: ExplicitMemoryModel, clip: float | None, *tensors: Tensor
-             ) -> tuple[Tensor, list[Tensor], list[Tensor], Tensor, list[Tensor], Tensor | None, Tensor | None]:
-        """The forward arithmetic: ``(read, W_new, S_new, err, G, ||G||, scale)`` (the last two None without a
-        clip). Called directly where no gradient is wanted (no autograd node to build or inputs to save)."""
-        L = len(model.shapes)
-        W, S = tensors[:L], tensors[L:2 * L]
-        qk, values, lr2, eta, keep = tensors[2 * L:]
-        reads, err, grads = model.inner_gradient(W, qk, values, lr2, values.shape[1])
-        norm = scale = None
-        if clip is not None:
-            norm = _dots(grads, grads).sqrt_()
-            scale = norm.clamp(min=clip).reciprocal_().mul_(clip)  # clip / max(||G||, clip)
-            new_S = [torch.addcmul(eta * s, scale, g, value=-1) for s, g in zip(S, grads)]
-        else:
-            new_S = [torch.sub(eta * s, g) for s, g in zip(S, grads)]
-        new_W = [torch.addcmul(s, keep, w) for w, s in zip(W, new_S)]
-        return reads, new_W, new_S, err, grads, norm, scale
-
-    @staticmethod
-    def forward(ctx, model: ExplicitMemoryModel, clip: float | None, *tensors: Tensor) -> tuple[Tensor, ...]:
-        L = len(model.shapes)
-        reads, new_W, new_S, err, grads, norm, scale = _ChunkStep.step(model, clip, *tensors)
-        W, S = tensors[:L], tensors[L:2 * L]
-        qk, _, lr2, eta, keep = tensors[2 * L:]
-        ctx.model, ctx.clip = model, clip
-        ctx.save_for_backward(*W, *S, qk, lr2, eta, keep, err,
-                              *((*grads, norm, scale) if clip is not None else ()))
-        return (reads, *new_W, *new_S)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, g_read: Tensor | None, *g_out: Tensor | None) -> tuple[Tensor | None, ...]:
-        model, clip = ctx.model, ctx.clip
-        L, saved = len(model.shapes), ctx.saved_tensors
-        W, S = saved[:L], saved[L:2 * L]
-        qk, lr2, eta, keep, err = saved[2 * L:2 * L + 5]
-        gW_new = [torch.zeros_like(w) if g is None else g for g, w in zip(g_out[:L], W)]
-        gS_new = [torch.zeros_like(s) if g is None else g for g, s in zip(g_out[L:], S)]
-
-        # W' = keep W + S', S' = eta S - scale G
-        gS_total = [gs + gw for gs, gw in zip(gS_new, gW_new)]
-        gW = [keep * g for g in gW_new]
-        g_keep = _dots(gW_new, W)
-        gS = [eta * g for g in gS_total]
-        g_eta = _dots(gS_total, S)
-        if clip is None:
-            gG = [-g for g in gS_total]
-        else:
-            grads, (norm, scale) = saved[2 * L + 5:3 * L + 5], saved[3 * L + 5:]
-            gG = [g * -scale for g in gS_total]
-            g_scale = _dots(gS_total, grads).neg_()
-            # scale = clip / norm where norm > clip: d scale / d G = -clip G / norm^3
-            coef = torch.where(norm > clip, g_scale * -clip / norm.clamp(min=clip) ** 3, 0.0)
-            gG = [g.addcmul_(coef, G) for g, G in zip(gG, grads)]
-
-        g_qk, g_values, g_lr2 = model.inner_gradient_backward(W, qk, err, lr2, err.shape[1], g_read, gG, gW)
-        return (None, None, *gW, *gS, g_qk, g_values, g_lr2, g_eta, g_keep)
 
 
 class _Surprise(torch.autograd.Function):

@@ -7,7 +7,9 @@ A memory folder holds exactly
   weights, config, generation config, tokenizer and chat templates; its shape) and the titans_hf version that wrote
   it. A local base loads from that folder only while the fingerprint is recorded and still matches, so a memory
   never runs on another model of the same shape without a word (`recorded_base`);
-- `memory_model.safetensors`: the memory's weights, nothing of the base;
+- `memory_model.safetensors`: the memory's weights, nothing of the base, under the file keys of its parameters
+  (`file_key`: `memory.<layer>.*` and `persistent_tokens`, without the decoder's `model.` in front; `is_memory_name`
+  tells the memory's parameters from the base's and a LoRA's);
 - `config.json`: the model's config (`model_type: titans_qwen`, the base's config and the memory settings), so that
   `AutoConfig` and `AutoModelForCausalLM` / `pipeline` dispatch to the model class, which then loads as above
   (folders written before it existed load without it);
@@ -30,10 +32,9 @@ import logging
 import math
 import os
 import stat
-from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 from huggingface_hub import _CACHED_NO_EXIST, hf_hub_download, is_offline_mode, try_to_load_from_cache
@@ -49,9 +50,6 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from titans_hf.files import atomic_write, atomic_write_json
-
-if TYPE_CHECKING:
-    from .configuration_titans_qwen import TitansMemoryConfig
 
 logger = logging.getLogger(__name__)
 
@@ -81,11 +79,6 @@ _FINGERPRINT_READ_BYTES = 8 << 20
 # The most bytes a base's config, tokenizer or chat template file may hold for its fingerprint to read it: far above
 # any real one (Qwen's tokenizer.json: 7 MB), far below a sparse file that claims a terabyte.
 _MAX_BASE_TEXT_FILE_BYTES = 1 << 30
-# The sampled fingerprints earlier releases recorded, still accepted at load with a warning (`recorded_base`): per
-# tensor its name, dtype, shape and blocks at the start, middle and end of its bytes; before that, blocks spread over
-# each file.
-_SAMPLED_FINGERPRINT_TENSOR_BLOCK_BYTES = 1 << 12
-_LEGACY_FINGERPRINT_BLOCKS, _LEGACY_FINGERPRINT_BLOCK_BYTES = 16, 1 << 16
 # safetensors' own limit on a header's size
 _MAX_SAFETENSORS_HEADER_BYTES = 100_000_000
 # bits per element of every dtype safetensors defines: a tensor's byte range holds exactly its elements
@@ -95,6 +88,21 @@ _SAFETENSORS_DTYPE_BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8":
 _TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                  "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
                  "BOOL": torch.bool}
+
+# The decoder's prefix of the memory's parameter names, left out of their file keys.
+_DECODER_PREFIX = "model."
+
+
+def is_memory_name(name: str) -> bool:
+    """Whether a parameter or module name of a TitansQwenForCausalLM is the memory's (its blocks, the persistent
+    tokens) rather than the base's or a LoRA's."""
+    return name == "model.memory" or name.startswith(("model.memory.", "model.persistent_tokens"))
+
+
+def file_key(name: str) -> str:
+    """The key under which a memory folder or a full model's file stores the parameter `name`: the memory's without
+    the decoder's `model.` in front, every other one as it is."""
+    return name.removeprefix(_DECODER_PREFIX) if is_memory_name(name) else name
 
 
 def check_safetensors_folder(folder: str | os.PathLike, what: str) -> None:
@@ -154,7 +162,7 @@ def base_fingerprint(folder: str | os.PathLike) -> str:
     files (by name), in that order, where the folder has them, each file framed by its name (relative to the folder)
     and size, so that bytes moved from one file to the next, or a renamed file, change it too. A base given another
     tokenizer of the same size, another chat template or other generation defaults, or fine-tuned in a few rows of
-    one tensor, differs. Recorded at `from_base`, compared at load (`recorded_base`, `base_matches_fingerprint`).
+    one tensor, differs. Recorded at `from_base`, compared at load (`recorded_base`).
 
     Every file is opened and checked before any is hashed, and is then read only to the size checked: each must be
     a regular file (`open_regular_file`), a safetensors file's header must account for every byte of it (tensor
@@ -163,9 +171,8 @@ def base_fingerprint(folder: str | os.PathLike) -> str:
     terabyte is refused at once, not read.
 
     Hashing every byte costs what sha256 costs, once per recording or load: on a 0.5B-size folder (995 MB: bf16
-    weights and a 7 MB tokenizer.json) in the page cache, 1.5 s (650 MB/s, the speed of sha256 on that 2-core
-    machine) against 10 ms for the sampled fingerprint it replaces (scripts/bench_fingerprint.py); loading the base
-    reads the same bytes."""
+    weights and a 7 MB tokenizer.json) in the page cache, 1.5 s (650 MB/s, the speed of sha256 on a 2-core
+    machine; scripts/bench_fingerprint.py); loading the base reads the same bytes."""
     folder = Path(folder)
     names = [name for name in ("config.json", GENERATION_CONFIG_NAME, *TOKENIZER_FILE_NAMES, CHAT_TEMPLATE_NAME)
              if os.path.lexists(folder / name)]  # whatever the entry is: open_regular_file refuses all but files
@@ -194,42 +201,6 @@ def base_fingerprint(folder: str | os.PathLike) -> str:
             while left and (count := handle.readinto(view[:min(left, len(view))])):
                 digest.update(view[:count])
                 left -= count
-    return digest.hexdigest()
-
-
-def _sampled_base_fingerprint(folder: Path) -> str:
-    """The fingerprint titans_hf recorded before `base_fingerprint` read every byte: config.json, and for every
-    tensor of every safetensors file its name, dtype, shape and three blocks of 4 KiB of its bytes (start, middle,
-    end)."""
-
-    def tensor_blocks(path: Path, handle: Any, size: int) -> Iterator[bytes]:
-        header = _safetensors_header(handle, size, path)
-        data_start = handle.tell()
-        for name in sorted(name for name in header if name != "__metadata__"):
-            entry = header[name]
-            begin, end = entry["data_offsets"]
-            yield json.dumps([name, entry["dtype"], entry["shape"], end - begin]).encode()
-            block = _SAMPLED_FINGERPRINT_TENSOR_BLOCK_BYTES
-            middle = max(begin, (begin + end) // 2 - block // 2)
-            for offset in dict.fromkeys((begin, middle, max(begin, end - block))):
-                handle.seek(data_start + offset)
-                yield handle.read(min(block, end - offset))
-
-    return _folder_fingerprint(folder, tensor_blocks)
-
-
-def _folder_fingerprint(folder: Path, file_blocks: Callable[[Path, Any, int], Iterator[bytes]]) -> str:
-    """sha256 of a folder's config.json, then for each safetensors file (by name) its name and size and the
-    blocks `file_blocks(path, open handle, size)` reads from it: the sampled fingerprints of earlier releases."""
-    digest = hashlib.sha256()
-    config = folder / "config.json"
-    digest.update(config.read_bytes() if config.is_file() else b"")
-    for path in sorted(folder.glob("*.safetensors")):
-        with open_regular_file(path) as handle:
-            size = os.fstat(handle.fileno()).st_size
-            digest.update(f"{path.name}:{size}".encode())
-            for block in file_blocks(path, handle, size):
-                digest.update(block)
     return digest.hexdigest()
 
 
@@ -285,54 +256,17 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _legacy_base_fingerprint(folder: Path) -> str:
-    """The fingerprint titans_hf <= 0.3 recorded: config.json, and per safetensors file its name, size, header and
-    16 blocks of 64 KiB spread over it."""
-
-    def spread_blocks(path: Path, handle: Any, size: int) -> Iterator[bytes]:
-        header = handle.read(8)
-        yield header + handle.read(min(int.from_bytes(header, "little"), size) if len(header) == 8 else 0)
-        for index in range(_LEGACY_FINGERPRINT_BLOCKS):
-            handle.seek(size * index // _LEGACY_FINGERPRINT_BLOCKS)
-            yield handle.read(_LEGACY_FINGERPRINT_BLOCK_BYTES)
-
-    return _folder_fingerprint(folder, spread_blocks)
-
-
-def _base_fingerprint_match(folder: Path, recorded: str) -> str | None:
-    """The folder's `base_fingerprint` when `recorded` is it, or is the sampled fingerprint an earlier release
-    recorded for this folder; None when the folder holds another model."""
-    current = base_fingerprint(folder)
-    if recorded == current or recorded in (_sampled_base_fingerprint(folder), _legacy_base_fingerprint(folder)):
-        return current
-    return None
-
-
-def base_matches_fingerprint(folder: str | os.PathLike, recorded: str) -> bool:
-    """Whether the base folder is the one whose fingerprint a memory recorded (for a memory saved by an earlier
-    release, whose fingerprint sampled the weights: whether the folder matches those samples)."""
-    return _base_fingerprint_match(Path(folder), recorded) is not None
-
-
-def recorded_base(config: TitansMemoryConfig, source: str) -> str:
-    """The base a memory's config names, checked to be the same model wherever the memory is loaded from: a local
-    base is recorded by its absolute path, and must still be there with the fingerprint recorded (else another
-    model would be used silently); a relative path that exists here (recorded by an older version, or a Hub id
-    shadowed by a local folder) is refused, since it resolves to whatever folder lies at it from here.
+def recorded_base(base: str | None, fingerprint: str | None, source: str) -> str:
+    """The base a memory's config names (`base`, its `base_model_name_or_path`, and `fingerprint`, its
+    `base_fingerprint`), checked to be the same model wherever the memory is loaded from: a local base is recorded by
+    its absolute path, and must still be there with the fingerprint recorded (else another model would be used
+    silently); a relative path that exists here (recorded by an older version, or a Hub id shadowed by a local
+    folder) is refused, since it resolves to whatever folder lies at it from here.
 
     A local base whose config records no fingerprint is refused, naming the memory's memory_config.json and the
     field: `from_base` records one for every local base, so a config without one was edited, and would load on any
     model of the same shape found at that path. A Hub base is pinned by its id and the revision recorded (none: the
-    default branch, as `from_base` was given it); no fingerprint applies to it.
-
-    A memory saved by an earlier release recorded a sampled fingerprint (blocks of each tensor or file), which a
-    base with another tokenizer, or with rows edited between the samples, still matches. Such a memory loads when
-    the base matches the samples, with a warning that says what they cover, and `config` is given the base's full
-    fingerprint, so the model loaded records it when saved again. That is how transformers and PEFT treat a
-    checkpoint of an older format (load it, warn, write the current format on the next save); refusing would strand
-    every memory trained on a local base by that release, whose base is the one it was trained on unless edited
-    where the samples do not look."""
-    base = config.base_model_name_or_path
+    default branch, as `from_base` was given it); no fingerprint applies to it."""
     if not base:
         raise ValueError(f"{source}: its memory config names no base model; pass the base explicitly")
     path = Path(base)
@@ -345,23 +279,16 @@ def recorded_base(config: TitansMemoryConfig, source: str) -> str:
     if not path.is_dir():
         raise ValueError(f"{source}: its memory config names the local base {base}, which does not exist on this "
                          "machine; pass the base explicitly")
-    if config.base_fingerprint is None:
+    if fingerprint is None:
         raise ValueError(f"{Path(source) / MEMORY_CONFIG_NAME}: names the local base {base} but records no "
                          "base_fingerprint, so nothing shows that the model there is the one the memory was trained "
                          "on (from_base records it for every local base); pass the base explicitly (--model BASE "
                          "--memory MEMORY, or from_base_and_memory(base, memory)) if it is")
-    current = _base_fingerprint_match(path, config.base_fingerprint)
-    if current is None:
+    if base_fingerprint(path) != fingerprint:
         raise ValueError(f"{source}: its memory config names the local base {base}, but the model there now is not "
                          "the one the memory was trained on (base_fingerprint differs: other weights, config, "
                          "generation config, tokenizer or chat template); pass the base explicitly if this is "
                          "intended")
-    if current != config.base_fingerprint:
-        logger.warning("%s: its memory config records a base_fingerprint of an earlier titans_hf, which covers "
-                       "samples of the base's weights only, not every byte; the base %s matches them and is "
-                       "used. The model loaded records the base's full fingerprint: save the memory again "
-                       "(save_pretrained) to keep it", source, base)
-        config.base_fingerprint = current
     return base
 
 
@@ -454,15 +381,17 @@ def is_memory(name_or_path: str | os.PathLike, revision: str | None = None, **hu
     return True
 
 
-def save_memory_folder(save_directory: str | os.PathLike, config: TitansMemoryConfig | None, memory: dict[str, Any],
-                       trainable_base: dict[str, Any] | None = None, model_config: dict[str, Any] | None = None,
+def save_memory_folder(save_directory: str | os.PathLike, memory_config: dict[str, Any] | None,
+                       memory: dict[str, Any], trainable_base: dict[str, Any] | None = None,
+                       model_config: dict[str, Any] | None = None,
                        adapter: tuple[dict[str, Any], dict[str, Any]] | None = None) -> Path:
-    """Write a memory folder: the config (None for a model without one), the model's config for the Auto classes
-    (`model_config`, a dict with `model_type` titans_qwen, or None), the memory weights, (a checkpoint of a model
-    whose base trains too) the trainable base weights, and (a model with a LoRA adapter, `titans_hf.lora`) the
-    adapter as PEFT writes it: (adapter_config.json's dict, adapter_model.safetensors' tensors). Each file is written
-    under a temporary name and renamed; the memory weights go last, so their presence means the folder is complete.
-    Files of an earlier save into the folder that this one does not write (trainable base, adapter) are removed."""
+    """Write a memory folder: `memory_config.json` (`memory_config`, a `TitansMemoryConfig.to_dict()`; None for a
+    model without one), the model's config for the Auto classes (`model_config`, a dict with `model_type`
+    titans_qwen, or None), the memory weights, (a checkpoint of a model whose base trains too) the trainable base
+    weights, and (a model with a LoRA adapter, `titans_hf.lora`) the adapter as PEFT writes it: (adapter_config.json's
+    dict, adapter_model.safetensors' tensors). Each file is written under a temporary name and renamed; the memory
+    weights go last, so their presence means the folder is complete. Files of an earlier save into the folder that
+    this one does not write (trainable base, adapter) are removed."""
     folder = Path(save_directory)
     folder.mkdir(parents=True, exist_ok=True)
     base_path = folder / TRAINABLE_BASE_WEIGHTS_NAME
@@ -481,8 +410,8 @@ def save_memory_folder(save_directory: str | os.PathLike, config: TitansMemoryCo
         for name in (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME):
             if (folder / name).exists():
                 (folder / name).unlink()  # an earlier save's adapter would be loaded with this memory
-    if config is not None:
-        config.save_pretrained(folder)
+    if memory_config is not None:
+        atomic_write_json(folder / MEMORY_CONFIG_NAME, memory_config)
     if model_config is not None:
         atomic_write_json(folder / MODEL_CONFIG_NAME, model_config)
     tensors = _contiguous(memory)

@@ -3,16 +3,15 @@ score against (`TitansQwenForCausalLM.memory_off_reference()`), so that no secon
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
+from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from .loading_titans_qwen import is_memory_name
-
-if TYPE_CHECKING:
-    from .modeling_titans_qwen import TitansCausalLMOutput, TitansQwenForCausalLM, TitansQwenModel
+from .memory_folder import is_memory_name
+from .outputs_titans_qwen import TitansCausalLMOutput
 
 
 class MemoryOffDecoder(nn.Module):
@@ -20,7 +19,8 @@ class MemoryOffDecoder(nn.Module):
     `base_model` calls it (TRL's fused LM head): the base chunk by chunk. Every other attribute is the decoder's. A
     view, made on each access: it owns no parameters and is no submodule of the reference."""
 
-    def __init__(self, decoder: TitansQwenModel):
+    def __init__(self, decoder: PreTrainedModel):
+        """`decoder`: the policy's `TitansQwenModel`."""
         super().__init__()
         self.__dict__["decoder"] = decoder  # not registered as a submodule
 
@@ -40,7 +40,8 @@ class TitansMemoryOffReference(nn.Module):
     the policy's own weights: no second copy loads. It owns no parameters and no submodules; calls run without
     gradients. Made by `TitansQwenForCausalLM.memory_off_reference()`."""
 
-    def __init__(self, model: TitansQwenForCausalLM):
+    def __init__(self, model: PreTrainedModel):
+        """`model`: the policy, a `TitansQwenForCausalLM`."""
         super().__init__()
         self.__dict__["policy"] = model  # not registered: the reference holds nothing to train, cast or shard
         self.config = model.config

@@ -1,11 +1,13 @@
 """How a memory joins a decoder layer: one class per variant, chosen by `memory_config.variant` from a registry.
 
-Every variant owns a `NeuralMemory` and the output projection `W_O` (zero at init, so an untrained memory adds
-nothing) and implements `forward(layer, hidden, state, token_mask, num_prefix)`: run the decoder layer (`layer`, a
-callable of the hidden states) with the memory read and written around it, and return the layer's output and the
-memory's new state. A variant that puts tokens in front of each chunk returns them from `prefix_tokens`.
+Every variant owns a `NeuralMemory`, built from the memory config's resolved settings (`TitansMemoryConfig` checks
+them all, the settings each variant needs included), and the output projection `W_O` (zero at init, so an untrained
+memory adds nothing) and implements `forward(layer, hidden, state, token_mask, num_prefix)`: run the decoder layer
+(`layer`, a callable of the hidden states) with the memory read and written around it, and return the layer's output
+and the memory's new state. A variant that puts tokens in front of each chunk returns them from `prefix_tokens`.
 
-Adding a variant is a class here and a line in `MEMORY_VARIANTS`.
+Adding a variant is a class here, a line in `MEMORY_VARIANTS` and its name in the config's `VARIANTS` (with the
+checks of the settings it needs).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from transformers import initialization as init
 from .memory import MemoryState, NeuralMemory
 
 if TYPE_CHECKING:
-    from .configuration_titans_qwen import TitansMemoryConfig, TitansQwenConfig
+    from .configuration_titans_qwen import TitansQwenConfig
 
 DecoderLayer = Callable[[Tensor], Tensor]
 
@@ -38,14 +40,14 @@ class TitansMemoryBlock(nn.Module):
         memory, hidden = config.memory_config, config.text_config.hidden_size
         self.neural_memory = NeuralMemory(
             hidden_size=hidden,
-            num_heads=memory.memory_num_heads,
-            head_dim=memory.memory_head_dim,
-            depth=memory.memory_depth,
-            expansion=memory.memory_expansion,
+            memory_num_heads=memory.memory_num_heads,
+            memory_head_dim=memory.memory_head_dim,
+            memory_depth=memory.memory_depth,
+            memory_expansion=memory.memory_expansion,
             conv_kernel=memory.conv_kernel,
             conv_init=memory.conv_init,
-            chunk_size=memory.memory_chunk_size,
-            batch_size=memory.memory_batch_size,
+            memory_chunk_size=memory.memory_chunk_size,
+            memory_batch_size=memory.memory_batch_size,
             max_lr=memory.max_lr,
             theta_bias_init=memory.theta_bias_init,
             forget_bias_init=memory.forget_bias_init,
@@ -54,13 +56,6 @@ class TitansMemoryBlock(nn.Module):
             max_memory_norm=memory.memory_norm_bound,
         )
         self.output_weight = nn.Parameter(torch.zeros(hidden, memory.memory_num_heads * memory.memory_head_dim))
-
-    @classmethod
-    def check_config(cls, memory_config: TitansMemoryConfig) -> None:
-        """Refuse settings this variant does not use (by default: prefix tokens)."""
-        if memory_config.num_memory_tokens or memory_config.num_persistent_tokens:
-            raise ValueError(f"num_memory_tokens / num_persistent_tokens are only used by variant 'mac', got "
-                             f"variant={memory_config.variant!r}")
 
     def initialize(self, std: float) -> None:
         """Initialise the block's own parameters (the NeuralMemory initialises itself)."""
@@ -122,11 +117,6 @@ class MemoryAsContext(TitansMemoryBlock):
         super().__init__(config)
         self.memory_queries = nn.Parameter(torch.zeros(config.memory_config.num_memory_tokens,
                                                        config.text_config.hidden_size))
-
-    @classmethod
-    def check_config(cls, memory_config: TitansMemoryConfig) -> None:
-        if memory_config.num_memory_tokens < 1:
-            raise ValueError("variant 'mac' needs num_memory_tokens >= 1 (the memory reaches attention through them)")
 
     def initialize(self, std: float) -> None:
         super().initialize(std)

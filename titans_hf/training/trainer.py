@@ -15,7 +15,6 @@ loss or gradients are not finite stops the run before anything is saved from it 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import inspect
 import json
@@ -37,7 +36,6 @@ from transformers import EvalPrediction, Trainer
 from transformers import trainer as hf_trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy
 
-from titans_hf._deprecation import moved_names
 from titans_hf.data.collator import CompletionsCollator, TitansDataCollator
 from titans_hf.data.sampler import ChunkCurriculumSampler, ResumableSampler, count_chunks
 from titans_hf.data.tokenizers import resolve_pad_token_id
@@ -156,23 +154,7 @@ def passed_memory_states(fresh: dict[int, MemoryState], passed: dict[int, Memory
     if not bool(take.any()):
         return fresh
 
-    def mixed(new: list[torch.Tensor], old: list[torch.Tensor]) -> list[torch.Tensor]:
-        out = []
-        for n, o in zip(new, old):
-            kept = take.to(n.device).view(-1, *[1] * (n.dim() - 1))
-            o = torch.cat([o[:rows].to(n.dtype), n[o.shape[0]:].detach()]) if o.shape[0] < rows else o[:rows]
-            out.append(torch.where(kept, o.to(n.dtype), n))
-        return out
-
-    states = {}
-    for layer, state in fresh.items():
-        weights = mixed(state.weights, passed[layer].weights)
-        shared = state.batch_start_weights is state.weights
-        states[layer] = dataclasses.replace(
-            state, weights=weights, momentum=mixed(state.momentum, passed[layer].momentum),
-            batch_start_weights=weights if shared else mixed(state.batch_start_weights,
-                                                             passed[layer].batch_start_weights))
-    return states
+    return {layer: state.with_rows_from(passed[layer], take) for layer, state in fresh.items()}
 
 
 class CompiledChunks:
@@ -504,8 +486,9 @@ class TitansTrainer(FiniteSteps, CompiledChunks, Trainer):
         atomic_write_json(Path(output_dir, TRAINING_ARGS_JSON_NAME),
                           {**json.loads(self.args.to_json_string()), "world_size": self.args.world_size})
         model_config = model.memory_folder_config() if hasattr(model, "memory_folder_config") else None
-        save_memory_folder(output_dir, getattr(model.config, "memory_config", None), memory, base, model_config,
-                           adapter=adapter)
+        memory_config = getattr(model.config, "memory_config", None)
+        save_memory_folder(output_dir, None if memory_config is None else memory_config.to_dict(), memory, base,
+                           model_config, adapter=adapter)
         if Path(output_dir).resolve() == Path(self.args.output_dir).resolve():  # the final save, not a checkpoint
             folder = Path(output_dir)
             record_outputs(folder, [name for name in self._final_save_names if (folder / name).is_file()],
@@ -606,14 +589,3 @@ class TitansTrainer(FiniteSteps, CompiledChunks, Trainer):
             names = (f"rng_state_{self.args.process_index}.pth" if self.args.world_size > 1 else "rng_state.pth",)
             raise ValueError(f"{unreadable_file(checkpoint, names)}: not a random number generator state "
                              f"({error})") from error
-
-
-# Names that moved to the modules beside this one, served from here with a DeprecationWarning for one release.
-__getattr__ = moved_names(__name__, {
-    "LOCK_NAME": "titans_hf.training.training_lock",
-    "PASSED_STATES_NAME": "titans_hf.training.checkpointing",
-    "RESUME_SETTINGS": "titans_hf.training.checkpointing",
-    "SAMPLER_STATE_NAME": "titans_hf.training.checkpointing",
-    "group_advantages": "titans_hf.training.preference",
-    "load_trainable_state_dict": "titans_hf.training.checkpointing",
-})

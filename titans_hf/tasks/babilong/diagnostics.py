@@ -96,10 +96,10 @@ def _row_diagnostics(memory, calls, fact_mask: torch.Tensor, question: slice, ch
     hidden = torch.cat([h for h, _, _ in calls], dim=1)
     T = hidden.shape[1]
     real = torch.ones(2, T, dtype=memory.state_dtype, device=hidden.device)
-    tail = torch.zeros(2, memory.conv_kernel - 1, 3 * memory.num_heads * memory.head_dim, dtype=memory.state_dtype,
-                       device=hidden.device)
+    tail = torch.zeros(2, memory.conv_kernel - 1, 3 * memory.memory_num_heads * memory.memory_head_dim,
+                       dtype=memory.state_dtype, device=hidden.device)
     _, _, _, theta, gate_logits, _ = memory.token_inputs(hidden, tail, None, real)
-    H, C = memory.num_heads, memory.chunk_size
+    H, C = memory.memory_num_heads, memory.memory_chunk_size
     theta = theta[0].mean(0)  # [T]
     n_full = T // C
     chunk_gates = torch.sigmoid(gate_logits[0, : n_full * C].view(n_full, C, 2 * H).mean(1))  # [n, 2H]
