@@ -1,12 +1,12 @@
 """Which memory integration a frozen base learns to use: variant, layer and memory depth on one fixed budget.
 
-Stage a of the main job runs once (a stand-in Qwen3 pretrained and saved), or `--base` names a Qwen folder; then
-every configuration runs stage b of the main job (`titans-hf demo --model BASE ...`: BABILong files, the
+Stage a of the CPU demo runs once (a toy Qwen3 base pretrained and saved), or `--base` names a Qwen folder; then
+every configuration runs stage b of the CPU demo (`titans-hf demo --model BASE ...`: BABILong files, the
 titans-hf train code on the frozen base, the titans-hf eval function) with the same steps, seed and data, two at a
 time on one thread each. Prints a table (accuracy with the memory and with it off at 4 and 8 chunks) and writes JSON.
 
     python scripts/bench_frozen.py --json bench_results/frozen.json
-    python scripts/bench_frozen.py --entity-share 0 --only "mag, layer 0, depth 1"   # a stand-in without names
+    python scripts/bench_frozen.py --entity-share 0 --only "mag, layer 0, depth 1"   # a toy base without names
     python scripts/bench_frozen.py --quick        # a smoke run: few steps, few rows
 """
 
@@ -71,14 +71,15 @@ def run_configuration(name: str, flags: list[str], base: str, output: Path, comm
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base", default=None, help="a Qwen folder to freeze; default: pretrain the stand-in once")
+    parser.add_argument("--base", default=None,
+                        help="a Qwen folder to freeze; default: pretrain the CPU demo's toy base once")
     parser.add_argument("--output-dir", default="bench_results/frozen")
     parser.add_argument("--steps", type=int, default=900, help="the fixed budget: optimizer steps per configuration")
     parser.add_argument("--eval-samples", type=int, default=200)
     parser.add_argument("--workers", type=int, default=2, help="configurations run at once, one thread each")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--entity-share", type=float, default=0.5,
-                        help="stand-in pretraining: share of sentences about the story's people and places")
+                        help="toy base pretraining: share of sentences about the story's people and places")
     parser.add_argument("--only", nargs="+", default=None, help="run only the configurations of these names")
     parser.add_argument("--quick", action="store_true", help="smoke run: 20 pretraining steps, 10 steps, 20 rows")
     parser.add_argument("--json", default=None, help="write the table as JSON here")
@@ -94,7 +95,7 @@ def main() -> int:
         tokenizer = build_demo_tokenizer(base, seed=args.seed)
         extra = {} if pretrain_steps is None else {"steps": pretrain_steps}
         pretrain_base(base, tokenizer, entity_share=args.entity_share, seed=args.seed, show_progress=False, **extra)
-        print(f"stand-in base pretrained in {time.time() - started:.0f}s: {base}")
+        print(f"toy base pretrained in {time.time() - started:.0f}s: {base}")
     similarity = embedding_similarity(AutoModelForCausalLM.from_pretrained(base), AutoTokenizer.from_pretrained(base))
     print(f"mean cosine of the base's embeddings: actors {similarity['actors']:.2f}, "
           f"locations {similarity['locations']:.2f}")

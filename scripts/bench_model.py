@@ -7,21 +7,22 @@
 2. Peak training memory at 2, 4 and 8 chunks (tiny config, frozen base), with and without chunk checkpointing.
 3. `generate` prefill (one new token) at 8k, 32k and 128k prompt tokens (`--long`: and 1M), chunks of 4096: time,
    tokens/s and peak memory (tiny config).
-4. The main job's stand-in (`titans_hf.commands.demo_job`: a Qwen3 of hidden size 64 and 2 layers, chunks of 32 tokens attending
-   to themselves, its memory settings) at batch 1, forward only, best of 5: tokens/s with the memory, with the memory
-   switched off (the same chunk loop), and the plain base with full attention, at 1024 and 4096 tokens.
+4. `demo`: the CPU demo's model (`titans_hf.commands.demo_job`: a toy Qwen3 base of hidden size 64 and 2 layers,
+   chunks of 32 tokens attending to themselves, the demo's memory settings) at batch 1, forward only, best of 5:
+   tokens/s with the memory, with the memory switched off (the same chunk loop), and the plain base with full
+   attention, at 1024 and 4096 tokens.
 5. `--gpu`: the GPU run (`scripts/device_bench.sh` installs the pinned wheels on a GPU machine and runs it),
    the 0.5B-shaped model at 32k tokens, chunk 4096, bf16, training step: tokens/s with the memory vs the same
    chunking vs full attention (SDPA, which takes its flash kernel on CUDA for causal attention without a mask), and
    the share of the device's bf16 peak (`--peak-tflops`, default an H100/H200's 989 dense) that the model FLOPs
    (6 N per token plus attention) reach; beside them the Titans step with `compile_chunks()` (inductor;
    `--compile-backend none` leaves it out), its first call's time (the compile) in `compile_seconds`.
-6. `--compile`: the stand-in at batch 1, 1024 tokens, forward, with `compile_chunks()` (inductor, CPU) against the
-   eager model (layer-major) and the eager chunk loop, and the tiny config's training step (256 tokens, chunks of
-   64) as in part 1 with the compiled step beside it: compile times (first call) and tokens/s side by side.
+6. `--compile`: the CPU demo's model at batch 1, 1024 tokens, forward, with `compile_chunks()` (inductor, CPU)
+   against the eager model (layer-major) and the eager chunk loop, and the tiny config's training step (256 tokens,
+   chunks of 64) as in part 1 with the compiled step beside it: compile times (first call) and tokens/s side by side.
 
 Goals: memory adds <= 25% to the tiny training step; training memory grows sub-linearly in chunks;
-prefill tokens/s within 15% and peak memory flat from 32k to 1M; the stand-in with memory >= 0.6x the tokens/s of
+prefill tokens/s within 15% and peak memory flat from 32k to 1M; the demo's model with memory >= 0.6x the tokens/s of
 its memory-off loop, and that loop within 1.5x of full attention at 1024 tokens.
 
 CPU runs use one thread by default and report CPU time beside wall time (a shared machine disturbs CPU time
@@ -260,7 +261,7 @@ def bench_prefill(lengths, chunk_size, device, dtype) -> list[dict]:
 
 
 def stand_in_models() -> tuple[Qwen3ForCausalLM, TitansQwenForCausalLM]:
-    """The main job's stand-in base (random weights) and a TitansQwen with its memory settings around it."""
+    """The CPU demo's toy Qwen3 base (random weights) and a TitansQwen with the demo's memory settings around it."""
     # imported here: the demo pulls in the data stack (datasets, h5py), which the device run does without
     from titans_hf.commands.demo_job import MEMORY_SETTINGS, STAND_IN_BASE
 
@@ -287,7 +288,7 @@ def forward_only(model, ids, context=None):
 
 
 def bench_stand_in(lengths, repeats: int) -> list[dict]:
-    """The main job's stand-in at batch 1, forward only (what evaluation and the loss over long rows run)."""
+    """The CPU demo's model at batch 1, forward only (what evaluation and the loss over long rows run)."""
     base, titans = stand_in_models()
     rows = []
     for length in lengths:
@@ -305,8 +306,8 @@ def bench_stand_in(lengths, repeats: int) -> list[dict]:
 
 
 def bench_compiled_stand_in(length: int, repeats: int, backend: str) -> list[dict]:
-    """The stand-in at batch 1, forward only, with `compile_chunks(backend=...)` against the eager model (its
-    layer-major order, which the stand-in's chunk-local attention allows) and the eager chunk loop (what is
+    """The CPU demo's model at batch 1, forward only, with `compile_chunks(backend=...)` against the eager model (its
+    layer-major order, which the demo's chunk-local attention allows) and the eager chunk loop (what is
     compiled). Compile time is the first compiled call's, less an eager chunk-loop call's time; a second call shows
     whether anything compiled again."""
     base, titans = stand_in_models()
@@ -454,14 +455,14 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=989.0,
                         help="--gpu: the device's dense bf16 peak in TFLOP/s (H100 / H200 SXM: 989)")
     parser.add_argument("--compile", action="store_true",
-                        help="only compile_chunks() against eager (CPU, --compile-backend): the stand-in at batch 1 "
-                             "(1024 tokens, forward) and the tiny training step (256 tokens); compile time and "
-                             "tokens/s")
+                        help="only compile_chunks() against eager (CPU, --compile-backend): the CPU demo's model at "
+                             "batch 1 (1024 tokens, forward) and the tiny training step (256 tokens); compile time "
+                             "and tokens/s")
     parser.add_argument("--compile-backend", default="inductor",
                         help="--compile and --gpu: torch.compile's backend for compile_chunks() (--gpu: 'none' leaves "
                              "the compiled column out)")
     parser.add_argument("--long", action="store_true", help="full mode: the prefill at 1M prompt tokens as well")
-    parser.add_argument("--only", choices=["train", "chunks", "prefill", "stand-in"], nargs="*",
+    parser.add_argument("--only", choices=["train", "chunks", "prefill", "demo"], nargs="*",
                         help="full or quick mode: only these parts")
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads (default 1: idle OpenMP threads spin, which inflates CPU time when shared)")
@@ -482,7 +483,7 @@ def main() -> None:
                                compile_backend=args.compile_backend)
     else:
         device, dtype = torch.device("cpu"), torch.float32
-        parts = set(args.only or ["train", "chunks", "prefill", "stand-in"])
+        parts = set(args.only or ["train", "chunks", "prefill", "demo"])
         if args.quick:
             if "train" in parts:
                 rows += bench_training("tiny", TINY, None, 256, 64, device, dtype, repeats=2)
@@ -492,7 +493,7 @@ def main() -> None:
                 rows += bench_chunks(32, (2, 4, 8), device, dtype)
             if "prefill" in parts:
                 rows += bench_prefill((512, 2048, 8192), 512, device, dtype)
-            if "stand-in" in parts:
+            if "demo" in parts:
                 rows += bench_stand_in((1024,), repeats=3)
         else:
             if "train" in parts:
@@ -502,7 +503,7 @@ def main() -> None:
                 rows += bench_chunks(512, (2, 4, 8), device, dtype)
             if "prefill" in parts:
                 rows += bench_prefill((8192, 32768, 131072) + ((1 << 20,) if args.long else ()), 4096, device, dtype)
-            if "stand-in" in parts:
+            if "demo" in parts:
                 rows += bench_stand_in((1024, 4096), repeats=5)
 
     print_table(rows)

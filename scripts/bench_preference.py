@@ -1,12 +1,12 @@
-"""A preference only the memory can satisfy, learned by DPO and by GRPO on a frozen stand-in, memory off beside it.
+"""A preference only the memory can satisfy, learned by DPO and by GRPO on a frozen toy base, memory off beside it.
 
 Each row opens with a fact ("the key is plum."), then filler prose for several chunks, then "the key was": the
-right answer is the word of the fact, which lies further back than attention reaches (the main job's memory
+right answer is the word of the fact, which lies further back than attention reaches (the CPU demo's memory
 settings: attention inside the current chunk only), so the frozen base alone cannot prefer it (memory off: pair accuracy 0.5, pick accuracy 1 / the
 number of words). The rows go the way a user's would: jsonl -> `titans-hf prepare` (dpo pairs: the right word
 against another; grpo groups: every word, reward 1 for the right one) -> `load_dataset("titans_tokens")` ->
 `TitansTrainer` (each prompt streamed through the memory once, every answer scored from its memory state). The same
-stand-in, memory settings, seed and step budget for both; held-out rows score each memory with it on and off.
+toy base, memory settings, seed and step budget for both; held-out rows score each memory with it on and off.
 
     nice -n 10 python scripts/bench_preference.py --json bench_results/preference.json   # about 6 minutes
     python scripts/bench_preference.py --quick        # a smoke run: few steps, few rows
@@ -45,7 +45,7 @@ WORDS = ["plum", "pear", "lime", "fig"]
 FILLER = ("the old clock struck noon while the river carried leaves past the mill . ships waited in the harbour "
           "for the tide and the farmers spoke of rain . letters came from the capital full of news .").split()
 CHUNK = 16
-# the main job's memory settings (no forgetting, chunk-local attention: memory off, no chunk sees another)
+# the CPU demo's memory settings (no forgetting, chunk-local attention: memory off, no chunk sees another)
 MEMORY = {**MEMORY_SETTINGS, "chunk_size": CHUNK, "memory_chunk_size": 4, "variant": "mag"}
 
 
@@ -68,7 +68,7 @@ def build_stand_in(work: Path, pretrain_steps: int) -> tuple[Path, AutoTokenizer
                        show_progress=False)
     for word in WORDS:
         if len(tokenizer(f" {word}").input_ids) != 1:
-            raise ValueError(f"' {word}' must be one token of the stand-in's tokenizer")
+            raise ValueError(f"' {word}' must be one token of the toy base's tokenizer")
     return folder, tokenizer
 
 
@@ -148,7 +148,8 @@ def main() -> None:
     parser.add_argument("--pretrain-steps", type=int, default=150)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="Write the results here.")
-    parser.add_argument("--work", type=Path, default=None, help="Keep stores and stand-in here (default: a temp dir).")
+    parser.add_argument("--work", type=Path, default=None,
+                        help="Keep stores and the toy base here (default: a temp dir).")
     parser.add_argument("--quick", action="store_true", help="A smoke run: few steps and rows.")
     parser.add_argument("--progress", action="store_true", help="Show the Trainer's progress bars.")
     args = parser.parse_args()

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The main job: install (or reuse .venv), then train a tiny Qwen3 with Titans memory on BABILong QA1 on the CPU
+# The CPU demo: install (or reuse .venv), then train a tiny Qwen3 with Titans memory on BABILong QA1 on the CPU
 # and evaluate it with and without the memory. Writes outputs/demo/. Extra arguments go to `titans-hf demo`
 # (e.g. --model Qwen/Qwen2.5-0.5B, --output-dir DIR, --seed N; --help lists them). A rerun replaces the folder an
 # earlier demo wrote (--overwrite), never a folder it did not write whole.
 set -euo pipefail
 started=$SECONDS
-# the package alone (the main job needs no extra), named explicitly: a sourced script would otherwise read this
+# the package alone (the demo needs no extra), named explicitly: a sourced script would otherwise read this
 # script's own arguments as its extras
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh" ""
 echo "environment ready in $((SECONDS - started))s"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The recall recipe on your-own-documents tooling, offline on a CPU: a stand-in Qwen3 pretrained on short recall
+# The recall recipe on your-own-documents tooling, offline on a CPU: a toy Qwen3 base pretrained on short recall
 # text (stage a), long recall documents generated and prepared into token stores, the memory trained on the frozen
 # base with titans-hf train --dataset titans_tokens (stage b), then titans-hf eval --lm on held-out documents, on
 # every token and on the recalled values only, memory on and off; scripts/recall_report.py prints and draws it.
@@ -7,7 +7,7 @@
 #   scripts/recall.sh                                  # writes outputs/recall/{base,data,memory}
 #   RUN=window scripts/recall.sh --attend_previous_chunk true   # same base and data, another memory
 #
-# Environment: OUT (default outputs/recall), RUN (the memory's folder below OUT, default memory), STAND_IN_STEPS,
+# Environment: OUT (default outputs/recall), RUN (the memory's folder below OUT, default memory), BASE_STEPS,
 # NUM_TRAIN, NUM_EVAL, MAX_STEPS (smaller values for a quick try). Extra arguments go to titans-hf train. The base
 # and data are made once and reused while complete; a RUN folder holding an earlier run's checkpoints is never
 # trained over (choose another RUN, or pass --resume_from_checkpoint last).
@@ -21,8 +21,8 @@ run="$out/${RUN:-memory}"
 window=256
 titans=.venv/bin/titans-hf
 
-if [ ! -f "$out/base/stand_in.json" ]; then  # written last: the folder is complete
-  $titans recall stand-in --output-dir "$out/base" --steps "${STAND_IN_STEPS:-1200}" --overwrite
+if [ ! -f "$out/base/pretraining.json" ]; then  # the folder appears only whole
+  $titans recall toy-base --output-dir "$out/base" --steps "${BASE_STEPS:-1200}" --overwrite
 fi
 if [ ! -f "$out/data/eval_seq/meta.json" ]; then  # the last of the data to be written
   $titans recall generate --output-dir "$out/data" --tokenizer "$out/base" --window-size $window \
@@ -30,7 +30,7 @@ if [ ! -f "$out/data/eval_seq/meta.json" ]; then  # the last of the data to be w
   $titans prepare "$out/data/train.jsonl" --output "$out/data/train_seq" --tokenizer "$out/base" --overwrite
   $titans prepare "$out/data/eval.jsonl" --output "$out/data/eval_seq" --tokenizer "$out/base" --overwrite
 fi
-echo "stand-in base and data ready at $((SECONDS - started))s"
+echo "toy base and data ready at $((SECONDS - started))s"
 
 # one window per document (each is at most 255 tokens and its EOS), chunks of 32 tokens: 8 chunks a window
 $titans train --model_name_or_path "$out/base" --dataset titans_tokens \

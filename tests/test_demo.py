@@ -1,4 +1,4 @@
-"""The main job in miniature: stage a (pretrain and save a stand-in Qwen) and stage b (the user's recipe: BABILong
+"""The CPU demo in miniature: stage a (pretrain and save a toy Qwen3 base) and stage b (the user's recipe: BABILong
 files, the titans-hf train code on the frozen base, the titans-hf eval function on the saved memory), in seconds."""
 
 from __future__ import annotations
@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import re
 import struct
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,10 +16,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from titans_hf.commands import main as cli_main
 from titans_hf.commands.demo_job import build_demo_tokenizer, domain_documents, run_demo
+from titans_hf.files import file_sha256
 from titans_hf.modeling import TitansQwenForCausalLM
-from titans_hf.modeling.loading_titans_qwen import is_memory_name
+from titans_hf.modeling.memory_folder import is_memory_name
 from titans_hf.outputs import replaceable_folder_problem
 from titans_hf.tasks.babilong import ACTORS, LOCATIONS, MOVE_VERBS, OBJECTS, generate_babilong
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import check_demo_goal  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -216,18 +222,19 @@ def test_demo_with_a_given_model_skips_stage_a(tiny_qwen3_dir, tmp_path):
     assert demo["results"]["details"]["qa1"]["96"]["num_samples"] == 3
 
 
+def goal_cell(memory, no_memory, not_last=None):
+    """A results.json cell with what the length goal reads: chance 1/6, accuracy with and without the memory."""
+    not_last = memory if not_last is None else not_last
+    return {"chance": 1 / 6, "no_memory": {"exact_match": no_memory},
+            "memory": {"exact_match": memory, "exact_match_not_last_location": not_last}}
+
+
 def test_goal_report_applies_each_bar_to_its_lengths():
-    from titans_hf.commands.demo_job import goal_report
-
-    def cell(memory, no_memory, not_last=None):
-        return {"chance": 1 / 6, "no_memory": {"exact_match": no_memory},
-                "memory": {"exact_match": memory, "exact_match_not_last_location": memory if not_last is None else not_last}}
-
-    results = {"details": {"qa1": {"96": cell(0.1, 0.9), "1024": cell(0.95, 0.25), "8192": cell(0.949, 0.2),
-                                   "8224": cell(0.90, 0.1, not_last=0.86), "32768": cell(0.90, 0.1),
-                                   "32800": cell(0.80, 0.1), "131072": cell(0.95, 0.3),
-                                   "262144": cell(0.9, 0.1, not_last=0.84)}}}
-    lines = goal_report(results, chunk_size=32)
+    results = {"details": {"qa1": {"96": goal_cell(0.1, 0.9), "1024": goal_cell(0.95, 0.25),
+                                   "8192": goal_cell(0.949, 0.2), "8224": goal_cell(0.90, 0.1, not_last=0.86),
+                                   "32768": goal_cell(0.90, 0.1), "32800": goal_cell(0.80, 0.1),
+                                   "131072": goal_cell(0.95, 0.3), "262144": goal_cell(0.9, 0.1, not_last=0.84)}}}
+    lines = check_demo_goal.goal_report(results, chunk_size=32)
     # 96 tokens is under 4 chunks: not part of the goal
     assert [line.split()[1] for line in lines] == ["1024", "8192", "8224", "32768", "32800", "131072", "262144"]
     assert lines[0].endswith(": met") and "goal >= 95%" in lines[0]  # 0.25 is 8.3 points above chance
@@ -237,6 +244,57 @@ def test_goal_report_applies_each_bar_to_its_lengths():
     assert lines[4].endswith(": met") and "goal >= 80%" in lines[4]  # 1025 chunks: 80%
     assert lines[5].endswith("NOT met")  # 0.30 without memory is 13.3 points above chance
     assert lines[6].endswith("NOT met")  # where the last place is wrong: 6 points below all rows
+
+
+def test_the_goal_check_reads_a_demo_folder_or_results_file_and_leaves_it_unchanged(tmp_path, capsys):
+    met = {"chunk_size": 32, "details": {"qa1": {"96": goal_cell(0.1, 0.9), "128": goal_cell(1.0, 0.2)}}}
+    missed = {"chunk_size": 32, "details": {"qa1": {"128": goal_cell(1.0, 0.2), "8224": goal_cell(0.85, 0.1)}}}
+    (tmp_path / "demo").mkdir()
+    (tmp_path / "demo" / "results.json").write_text(json.dumps(met))
+    (tmp_path / "missed.json").write_text(json.dumps(missed))
+    before = {path: file_sha256(path) for path in tmp_path.rglob("*.json")}
+    assert check_demo_goal.main([str(tmp_path / "demo")]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "qa1    128 tokens (4 chunks): memory 100.0% (goal >= 95%), where the last place is wrong 100.0% (goal within "
+        "5 points), no memory 20.0% (goal within 10 points of 16.7%): met"]
+    assert check_demo_goal.main([str(tmp_path / "missed.json")]) == 1
+    assert [line.rsplit(": ", 1)[1] for line in capsys.readouterr().out.splitlines()] == ["met", "NOT met"]
+    assert {path: file_sha256(path) for path in tmp_path.rglob("*.json")} == before
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "no such file"),
+    ("{", "not a JSON results file"),
+    (json.dumps({"chunk_size": None, "details": {}}), "chunk_size None is not a number of tokens"),
+    (json.dumps({"chunk_size": 32, "details": {"qa1": {"128": {"chance": 0.2, "memory": {
+        "exact_match": 1.0, "exact_match_not_last_location": None}}}}}),
+     "details.qa1.128: no no_memory.exact_match (the goal needs the memory-off ablation)"),
+    (json.dumps({"chunk_size": 32, "details": {"qa1": {"128": goal_cell(1.5, 0.2)}}}),
+     "details.qa1.128: memory.exact_match 1.5 is not an accuracy"),
+    (json.dumps({"chunk_size": 32, "details": {"qa1": {"96": goal_cell(1.0, 0.2)}}}),
+     "no evaluated length of 4 chunks or more"),
+])
+def test_the_goal_check_refuses_results_it_cannot_check_naming_the_file(tmp_path, capsys, content, message):
+    path = tmp_path / "results.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exit_:
+        check_demo_goal.main([str(path)])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_.value.code == 2 and str(path) in error and message in error
+
+
+def test_the_demo_command_prints_accuracy_with_and_without_memory_and_no_goal(tiny_qwen3_dir, tmp_path, capsys):
+    assert cli_main(["demo", "--model", str(tiny_qwen3_dir), "--output-dir", str(tmp_path), "--train-chunks", "0",
+                     "3", "--eval-chunks", "4", "--num-train-samples", "4", "--num-eval-samples", "3",
+                     "--batch-size", "4", "--max-steps", "1"]) == 0
+    printed = capsys.readouterr().out
+    accuracy = json.loads((tmp_path / "results.json").read_text())["accuracy"]["qa1"]["128"]
+    lines = printed.splitlines()
+    header = next(index for index, line in enumerate(lines) if line.startswith("task ") and "last-loc" in line)
+    row = lines[header + 1].split()
+    assert row[:5] == ["qa1", "128", "3", f"{100 * accuracy['memory']:.1f}", f"{100 * accuracy['no_memory']:.1f}"]
+    assert "goal" not in printed.lower() and "met" not in printed.split()  # thresholds are the project's checks
 
 
 def test_embedding_similarity_measures_whether_names_share_one_vector(tmp_path):
@@ -265,10 +323,10 @@ def test_demo_runs_qa3_whose_stories_never_fit_one_chunk(tmp_path):
     assert list(demo["results"]["accuracy"]) == ["qa3"] and demo["run_info"]["base_unchanged"] is True
 
 
-def test_the_stand_ins_tokenizer_is_saved_plain_and_its_base_reads_4096_token_rows(demo, tmp_path):
-    """The stand-in pretrains on rows cut to 160 tokens: its saved tokenizer must not keep that cut, and eval, the
-    builder and train on the main job's own base work at 4096 tokens, also from a folder whose tokenizer.json still
-    carries a truncation (as stand-ins saved by earlier releases do)."""
+def test_the_toy_bases_tokenizer_is_saved_plain_and_its_base_reads_4096_token_rows(demo, tmp_path):
+    """The toy base pretrains on rows cut to 160 tokens: its saved tokenizer must not keep that cut, and eval, the
+    builder and train on the CPU demo's own base work at 4096 tokens, also from a folder whose tokenizer.json still
+    carries a truncation (as toy bases saved by earlier versions do)."""
     from datasets import load_dataset
 
     base = demo["paths"]["base"]

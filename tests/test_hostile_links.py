@@ -141,7 +141,7 @@ def test_a_manifest_that_came_with_a_copied_folder_vouches_for_nothing(tmp_path,
     whole = tmp_path / "base"
     whole.mkdir()
     (whole / "config.json").write_text("{}")
-    record_folder(whole, "titans-hf recall stand-in")
+    record_folder(whole, "titans-hf recall toy-base")
     check_folder_output(whole, overwrite=True)  # the folder it wrote whole may be replaced
     shutil.copytree(whole, tmp_path / "base_copy")
     with pytest.raises(FileExistsError, match=rf"base_copy: will not replace it, even with --overwrite: it holds no "
@@ -179,12 +179,12 @@ def test_a_whole_folder_manifest_entry_that_is_not_an_entry_is_one_line(tmp_path
     folder = tmp_path / "base"
     folder.mkdir()
     (folder / "config.json").write_text("{}")
-    record_folder(folder, "titans-hf recall stand-in")
+    record_folder(folder, "titans-hf recall toy-base")
     manifest = json.loads((folder / MANIFEST_NAME).read_text())
-    manifest["files"]["config.json"] = "titans-hf recall stand-in"
+    manifest["files"]["config.json"] = "titans-hf recall toy-base"
     (folder / MANIFEST_NAME).write_text(json.dumps(manifest))
     before = checksums(folder)
-    monkeypatch.setattr(sys, "argv", ["titans-hf", "recall", "stand-in", "--output-dir", str(folder), "--overwrite"])
+    monkeypatch.setattr(sys, "argv", ["titans-hf", "recall", "toy-base", "--output-dir", str(folder), "--overwrite"])
     with pytest.raises(SystemExit) as exit_:
         cli()
     assert exit_.value.code == 2

@@ -34,14 +34,14 @@ def user_project(folder: Path) -> Path:
     return folder
 
 
-def test_stand_in_overwrite_never_deletes_a_folder_it_did_not_write(tmp_path):
+def test_toy_base_overwrite_never_deletes_a_folder_it_did_not_write(tmp_path):
     folder = user_project(tmp_path / "project")
     before = checksums(folder)
     with pytest.raises(FileExistsError, match=r"project exists; pass --overwrite"):
-        cli_main(["recall", "stand-in", "--output-dir", str(folder), "--steps", "1"])
+        cli_main(["recall", "toy-base", "--output-dir", str(folder), "--steps", "1"])
     with pytest.raises(FileExistsError, match=rf"project: will not replace it, even with --overwrite: it holds no "
                        rf"{MANIFEST_NAME.replace('.', '[.]')}"):
-        cli_main(["recall", "stand-in", "--output-dir", str(folder), "--steps", "1", "--overwrite"])
+        cli_main(["recall", "toy-base", "--output-dir", str(folder), "--steps", "1", "--overwrite"])
     assert checksums(folder) == before
     assert sorted(path.name for path in tmp_path.iterdir()) == ["project"]  # no scratch folder left
 
@@ -51,7 +51,7 @@ def test_a_folder_the_tool_wrote_is_replaceable_until_someone_adds_or_edits_a_fi
     folder.mkdir()
     (folder / "config.json").write_text("{}")
     (folder / "model.safetensors").write_bytes(b"weights")
-    record_folder(folder, "titans-hf recall stand-in")
+    record_folder(folder, "titans-hf recall toy-base")
     check_folder_output(folder, overwrite=True)  # exactly what it wrote: may be replaced
     with pytest.raises(FileExistsError, match="pass --overwrite"):
         check_folder_output(folder, overwrite=False)
@@ -141,7 +141,7 @@ def test_recall_generate_checks_its_arguments_before_writing_anything(tmp_path, 
     assert "missing_tokenizer: no such file or folder" in capsys.readouterr().err
     assert not output.exists()
     with pytest.raises(ValueError, match="--steps 0: must be at least 1"):
-        cli_main(["recall", "stand-in", "--output-dir", str(tmp_path / "base"), "--steps", "0"])
+        cli_main(["recall", "toy-base", "--output-dir", str(tmp_path / "base"), "--steps", "0"])
     assert not (tmp_path / "base").exists()
 
 

@@ -1,4 +1,4 @@
-"""The recall recipe end to end: the README's `scripts/recall.sh` block as written (stand-in, generate, prepare,
+"""The recall recipe end to end: the README's `scripts/recall.sh` block as written (toy base, generate, prepare,
 train on the store, eval --lm twice, report; then a second memory on the same base and data) on tiny sizes, and
 the refusals of `titans-hf recall`."""
 
@@ -16,7 +16,7 @@ from titans_hf.commands import main as cli_main
 from titans_hf.data.stores import open_store
 
 REPO = Path(__file__).resolve().parent.parent
-TINY = {"STAND_IN_STEPS": "20", "NUM_TRAIN": "32", "NUM_EVAL": "6", "MAX_STEPS": "3"}
+TINY = {"BASE_STEPS": "20", "NUM_TRAIN": "32", "NUM_EVAL": "6", "MAX_STEPS": "3"}
 
 
 def readme_recall_block() -> str:
@@ -33,7 +33,7 @@ def test_readme_recall_block_trains_evaluates_reports_and_reuses_base_and_data(t
                                text=True, env={**os.environ, **TINY, "OUT": str(out)})
     assert completed.returncode == 0, completed.stderr[-3000:]
     base, data, memory = out / "base", out / "data", out / "memory"
-    assert (base / "stand_in.json").is_file() and (base / "config.json").is_file()
+    assert (base / "pretraining.json").is_file() and (base / "config.json").is_file()
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no partial folder left behind
     assert len((data / "train.jsonl").read_text().splitlines()) == 32
     held_out = [json.loads(line) for line in (data / "eval.jsonl").read_text().splitlines()]
@@ -53,11 +53,11 @@ def test_readme_recall_block_trains_evaluates_reports_and_reuses_base_and_data(t
 
     assert json.loads((memory / "memory_config.json").read_text())["attend_previous_chunk"] is True  # the default
 
-    stamp = (base / "stand_in.json").stat().st_mtime_ns, (data / "train_seq" / "meta.json").stat().st_mtime_ns
+    stamp = (base / "pretraining.json").stat().st_mtime_ns, (data / "train_seq" / "meta.json").stat().st_mtime_ns
     completed = subprocess.run(["bash", "-euo", "pipefail", "-c", lines[1]], cwd=REPO, capture_output=True,
                                text=True, env={**os.environ, **TINY, "OUT": str(out)})
     assert completed.returncode == 0, completed.stderr[-3000:]
-    assert ((base / "stand_in.json").stat().st_mtime_ns, (data / "train_seq" / "meta.json").stat().st_mtime_ns) == stamp
+    assert ((base / "pretraining.json").stat().st_mtime_ns, (data / "train_seq" / "meta.json").stat().st_mtime_ns) == stamp
     assert json.loads((out / "local" / "memory_config.json").read_text())["attend_previous_chunk"] is False
     assert [row["run"] for row in json.loads((out / "recall_summary.json").read_text())] == ["local", "memory"]
     report = completed.stdout.splitlines()
@@ -70,11 +70,11 @@ def test_recall_commands_refuse_to_replace_what_they_did_not_write(tmp_path, tin
     folder.mkdir()
     (folder / "notes.txt").write_text("keep")
     with pytest.raises(FileExistsError, match="mine exists"):
-        cli_main(["recall", "stand-in", "--output-dir", str(folder), "--steps", "1"])
+        cli_main(["recall", "toy-base", "--output-dir", str(folder), "--steps", "1"])
     (folder / "config.json").write_text("{}")  # a model folder's name proves nothing: only the tool's manifest does
     with pytest.raises(FileExistsError, match="will not replace it, even with --overwrite: it holds no "
                        r"\.titans_hf_outputs\.json"):
-        cli_main(["recall", "stand-in", "--output-dir", str(folder), "--steps", "1", "--overwrite"])
+        cli_main(["recall", "toy-base", "--output-dir", str(folder), "--steps", "1", "--overwrite"])
     (folder / "config.json").unlink()
     (folder / "eval_dependent").mkdir()
     (folder / "eval_dependent" / "notes.txt").write_text("keep")

@@ -20,7 +20,6 @@ from huggingface_hub import CommitOperationAdd, EvalResult, HfApi, ModelCard, Mo
 from huggingface_hub.errors import OfflineModeIsEnabled
 
 from titans_hf import __version__
-from titans_hf._deprecation import moved_names
 from titans_hf.modeling.configuration_titans_qwen import MODEL_TYPE, read_memory_config
 from titans_hf.modeling.memory_folder import (
     ADAPTER_CONFIG_NAME,
@@ -247,30 +246,3 @@ def push_memory_folder(folder: str | os.PathLike, repo_id: str, *, token: str | 
     commit = api.create_commit(repo_url.repo_id, operations,
                                commit_message=commit_message or f"Upload Titans memory (titans_hf {__version__})")
     return commit.commit_url
-
-
-__getattr__ = moved_names(__name__, {
-    'ADAPTER_CONFIG_NAME': 'titans_hf.modeling.memory_folder',
-    'ADAPTER_WEIGHTS_NAME': 'titans_hf.modeling.memory_folder',
-    'BASE_SHAPE_KEYS': 'titans_hf.modeling.configuration_titans_qwen',
-    'MEMORY_CONFIG_NAME': 'titans_hf.modeling.memory_folder',
-    'MEMORY_WEIGHTS_NAME': 'titans_hf.modeling.memory_folder',
-    'MODEL_CONFIG_NAME': 'titans_hf.modeling.memory_folder',
-    'MODEL_TYPE': 'titans_hf.modeling.configuration_titans_qwen',
-    'PICKLE_WEIGHT_SUFFIXES': 'titans_hf.modeling.memory_folder',
-    'TOKENIZER_FILE_NAMES': 'titans_hf.modeling.memory_folder',
-    'TRAINABLE_BASE_WEIGHTS_NAME': 'titans_hf.modeling.memory_folder',
-    'TitansMemoryConfig': 'titans_hf.modeling.configuration_titans_qwen',
-    'base_fingerprint': 'titans_hf.modeling.memory_folder',
-    'base_matches_fingerprint': 'titans_hf.modeling.memory_folder',
-    'check_safetensors_folder': 'titans_hf.modeling.memory_folder',
-    'hub_file': 'titans_hf.modeling.memory_folder',
-    'is_hub_id': 'titans_hf.modeling.memory_folder',
-    'is_memory': 'titans_hf.modeling.memory_folder',
-    'load_memory_weights': 'titans_hf.modeling.memory_folder',
-    'optional_hub_file': 'titans_hf.modeling.memory_folder',
-    'read_memory_config': 'titans_hf.modeling.configuration_titans_qwen',
-    'read_safetensors_header': 'titans_hf.modeling.memory_folder',
-    'recorded_base': 'titans_hf.modeling.memory_folder',
-    'save_memory_folder': 'titans_hf.modeling.memory_folder',
-})

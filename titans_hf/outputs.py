@@ -3,7 +3,7 @@
 The rule for outputs, everywhere: an existing output is replaced only with `overwrite` (`--overwrite`), and even
 then only when this tool wrote it. What it wrote is recorded in a manifest, `.titans_hf_outputs.json`, in the
 output's folder (`MANIFEST_FORMAT`): the inode of the folder it was written in, {name: {"command", "sha256",
-"inode"}} per file, and {"whole": {"command"}} for a folder this tool wrote (whole, as a stand-in base, or its
+"inode"}} per file, and {"whole": {"command"}} for a folder this tool wrote (whole, as a toy base, or its
 outputs in place, as the demo's, where a user's file may lie beside them). A manifest vouches only for its own
 folder and what this tool created there: one that came with a copied folder (another folder inode), an entry naming
 a path outside the folder or (unless this tool wrote the folder) in a subfolder, and a file that is a link, another

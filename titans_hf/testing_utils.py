@@ -1,6 +1,6 @@
 """A public helper: small tokenizers and Qwen models built on disk, with no download.
 
-The demo's stand-in base, the tests and the benchmarks run offline, yet they exercise the same
+The CPU demo's toy Qwen3 base, the tests and the benchmarks run offline, yet they exercise the same
 ``from_pretrained`` path a Hub id takes: these functions write ordinary Hugging Face folders that
 ``AutoTokenizer`` / ``AutoModelForCausalLM`` load. Useful for trying a recipe on a laptop in seconds.
 """

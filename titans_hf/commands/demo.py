@@ -1,11 +1,12 @@
-"""`titans-hf demo`: the main job (`scripts/demo.sh`), the user's recipe run offline; prints what it measured."""
+"""`titans-hf demo`: the CPU demo (`scripts/demo.sh`), the user's recipe run offline on a toy Qwen3 base; prints what
+it measured: accuracy with and without the memory at each length."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 
-from titans_hf.commands.demo_job import goal_report, run_demo
+from titans_hf.commands.demo_job import run_demo
 from titans_hf.tasks.babilong import GENERATED_TASKS
 from titans_hf.tasks.babilong.evaluation import format_distance_table, format_results_table
 
@@ -15,8 +16,8 @@ from .arguments import length, local_or_hub
 def register(subcommands: argparse._SubParsersAction) -> None:
     parser = subcommands.add_parser(
         "demo",
-        help="the whole recipe offline, in minutes: a small stand-in Qwen learns to use a memory on BABILong",
-        description="Pretrain a stand-in Qwen (or take --model), freeze it, train a Titans memory on BABILong with "
+        help="the whole recipe offline, in minutes: a toy Qwen3 base learns to use a memory on BABILong",
+        description="Pretrain a toy Qwen3 base (or take --model), freeze it, train a Titans memory on BABILong with "
         "the titans-hf train code, and score it with and without the memory.",
     )
     parser.add_argument("--model", default=None, type=local_or_hub,
@@ -32,7 +33,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                         help="input lengths trained on, in chunks (0 = bare stories)")
     parser.add_argument("--eval-chunks", type=int, nargs="+", default=[4, 256, 1024],
                         help="input lengths evaluated, in chunks")
-    parser.add_argument("--pretrain-steps", type=int, default=800, help="stage a: steps of the stand-in base")
+    parser.add_argument("--pretrain-steps", type=int, default=800, help="stage a: pretraining steps of the toy base")
     parser.add_argument("--entity-share", type=float, default=0.5,
                         help="stage a: share of the pretraining sentences about the story's people and places")
     parser.add_argument("--num-train-samples", type=int, default=1000, help="rows per training length")
@@ -54,7 +55,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                         help="share of training rows whose memory starts where another row's ended (0 to 1)")
     parser.add_argument("--haystack", nargs="+", default=[],
                         help="text files or folders of prose that training rows take their haystack from, beside the "
-                             "built-in prose (each an equal share); the stand-in base is pretrained on them too")
+                             "built-in prose (each an equal share); the toy base is pretrained on them too")
     parser.add_argument("--no-pretrain-haystack", action="store_true", help="stage a does not read --haystack")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1,
@@ -99,7 +100,7 @@ def demo_command(args: argparse.Namespace) -> int:
     if "stage_a_s" in timings:
         pretraining = info["pretraining"]
         similarity = pretraining["embedding_similarity"]
-        print(f"stage a (stand-in base, {pretraining['steps']} steps): {timings['stage_a_s']:.0f}s; mean cosine of "
+        print(f"stage a (toy Qwen3 base, {pretraining['steps']} steps): {timings['stage_a_s']:.0f}s; mean cosine of "
               f"its embeddings: actors {similarity['actors']:.2f}, locations {similarity['locations']:.2f}")
     accuracy = info["base_accuracy"]
     which = "that fit one chunk" if accuracy["fits_one_chunk"] else f"of up to {accuracy['max_prompt_tokens']} tokens"
@@ -121,13 +122,11 @@ def demo_command(args: argparse.Namespace) -> int:
               f"(of {memory_chunk} tokens; the recipe's chunks of 4096 with updates of 64 reach as many updates at "
               f"{64 * length // memory_chunk:,} tokens)")
     print(f"\nby distance from the supporting fact to the question:\n{format_distance_table(demo['results'])}")
-    print("\nGoal:")
-    print("\n".join(goal_report(demo["results"], info["chunk_size"])))
     print(f"\ntotal {timings['total_s']:.0f}s")
     paths = demo["paths"]
     print(f"results:     {paths['results']}\nheatmap:     {paths['heatmap']}\nby distance: {paths['distance_plot']}\n"
           f"loss curve:  {paths['loss_curve']}\n"
           f"memory:      {paths['memory']}  (titans-hf push {paths['memory']} YOUR_NAME/REPO)")
     if paths["base"] is not None:
-        print(f"base model:  {paths['base']}  (the stand-in Qwen3 pretrained here, with its tokenizer)")
+        print(f"base model:  {paths['base']}  (the toy Qwen3 base pretrained here, with its tokenizer)")
     return 0

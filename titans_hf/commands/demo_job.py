@@ -1,8 +1,9 @@
-"""The main job: the user's recipe (a pretrained Qwen, frozen, learns to use a Titans memory) run offline on a CPU.
+"""The CPU demo (`titans-hf demo`, `scripts/demo.sh`): the user's recipe (a pretrained Qwen, frozen, learns to use a
+Titans memory) run offline on a CPU.
 
 It needs no download, so it has two stages:
 
-a. **A stand-in base.** A small Qwen3 is trained as an ordinary causal LM with full attention (no memory, no
+a. **A toy Qwen3 base.** A small Qwen3 is trained as an ordinary causal LM with full attention (no memory, no
    chunks) on the task's kind of text: prose, prose about the story's people and places, and bAbI stories with
    questions and answers. It is saved with ``save_pretrained`` (weights, config, tokenizer) in ``base/``, a
    folder like any downloaded Qwen. Its own full-attention accuracy on stories that fit one chunk is reported.
@@ -72,7 +73,7 @@ RUN_INFO_NAME = "run.json"
 # Stage a's BABILong rows: bare stories and stories in a haystack of this many chunks (its rows are cut to 160 tokens:
 # a longer haystack would only cut more stories short; qa2 and qa3 stories need 4)
 PRETRAIN_HAYSTACK_CHUNKS = {"qa1": 3, "qa2": 4, "qa3": 4}
-# The stand-in base: big enough to learn the domain's language, small enough for minutes of CPU.
+# The toy base: big enough to learn the domain's language, small enough for minutes of CPU.
 STAND_IN_BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 # Memory settings of the recipe; variant, layer and depth are TitansQwenConfig's defaults (mag on the middle layer,
 # depth 1), chosen with scripts/bench_frozen.py. See docs/frozen_base.md.
@@ -86,8 +87,8 @@ MEMORY_SETTINGS = dict(
     attend_previous_chunk=False,
 )
 
-# What people and places are like, in the stand-in's pretraining text. In real text every name has contexts of its
-# own; in the bAbI stories alone the four actors (and the six places) are interchangeable, and a model trained on
+# What people and places are like, in the toy base's pretraining text. In real text every name has contexts of
+# its own; in the bAbI stories alone the four actors (and the six places) are interchangeable, and a model trained on
 # them learns one embedding for all four: its memory could then not tell whose fact it stores.
 ENTITY_TRAITS: dict[str, list[str]] = {
     "John": ["John fixed the old fence with nails", "John the carpenter sawed a plank of oak",
@@ -120,7 +121,7 @@ def entity_sentence(rng: random.Random) -> str:
 
 def domain_documents(task: str, num_documents: int, characters: int = 400, entity_share: float = 0.5,
                      seed: int = 0) -> list[str]:
-    """Documents of the stand-in's pretraining text: sentences about the story's people, places and objects
+    """Documents of the toy base's pretraining text: sentences about the story's people, places and objects
     (`entity_share` of the sentences), distractor prose (a fifth) and the facts of one bAbI story (the rest), its
     questions asked and answered in BABILong's prompt format as the story unfolds (after three sentences in ten,
     once someone has moved)."""
@@ -368,7 +369,7 @@ def run_demo(
         timings: dict[str, float] = {}
         run_info: dict[str, Any] = {"task": task, "seed": seed, "chunk_size": chunk_size}
 
-        # ---- stage a: the stand-in base ----
+        # ---- stage a: the toy base ----
         if model is None:
             prose = haystacks if pretrain_haystacks else ()
             tokenizer = build_demo_tokenizer(base_dir, seed=seed, haystacks=prose)
@@ -379,7 +380,7 @@ def run_demo(
                                                     haystacks=prose, show_progress=show_progress)
             base = str(base_dir)
             timings["stage_a_s"] = time.time() - started
-            logger.info("stage a: stand-in base pretrained in %.0fs (%d steps), saved to %s", timings["stage_a_s"],
+            logger.info("stage a: toy base pretrained in %.0fs (%d steps), saved to %s", timings["stage_a_s"],
                         run_info["pretraining"]["steps"], base_dir)
         else:
             base = model
@@ -497,31 +498,3 @@ def run_demo(
             },
         }
 
-
-# The floors of the length goal: accuracy with the memory needed up to each chunk count (the last one beyond it). At
-# 4 memory updates a chunk, 256 chunks are the updates of a 65k-token input of the recipe (chunks of 4096, an update
-# every 64 tokens), 1024 chunks of a 262k one, 4096 chunks of a 1M one.
-LENGTH_GOALS = ((256, 0.95), (1024, 0.90), (None, 0.80))
-
-
-def goal_report(results: dict[str, Any], chunk_size: int) -> list[str]:
-    """The main job's goal, checked cell by cell from 4 chunks on: with the memory >= 95% up to 256 chunks, >= 90%
-    up to 1024 and >= 80% beyond; on the rows where the last place mentioned is wrong, within 5 points of all rows; the
-    same weights without the memory within 10 points of chance."""
-    lines = []
-    for task, per_length in results["details"].items():
-        for length, cell in per_length.items():
-            chunks = math.ceil(int(length) / chunk_size)
-            if chunks < 4:
-                continue
-            needed = next(goal for limit, goal in LENGTH_GOALS if limit is None or chunks <= limit)
-            memory, no_memory, chance = cell["memory"]["exact_match"], cell["no_memory"]["exact_match"], cell["chance"]
-            not_last = cell["memory"]["exact_match_not_last_location"]
-            met = (memory >= needed and abs(no_memory - chance) <= 0.10
-                   and (not_last is None or not_last >= memory - 0.05))
-            not_last_text = "-" if not_last is None else f"{100 * not_last:.1f}%"
-            lines.append(f"{task} {length:>6} tokens ({chunks} chunks): memory {100 * memory:.1f}% "
-                         f"(goal >= {100 * needed:.0f}%), where the last place is wrong {not_last_text} (goal within "
-                         f"5 points), no memory {100 * no_memory:.1f}% (goal within 10 points of {100 * chance:.1f}%): "
-                         f"{'met' if met else 'NOT met'}")
-    return lines

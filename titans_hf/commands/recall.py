@@ -2,8 +2,8 @@
 
 - `titans-hf recall generate`: training and held-out documents as `.jsonl` text (for `titans-hf prepare`), and the
   held-out documents' `sft` store whose loss mask marks the recalled values (for `titans-hf eval --lm`);
-- `titans-hf recall stand-in`: a tokenizer and a small Qwen3 pretrained on short recall text, the offline base of
-  `scripts/recall.sh` (a pretrained Qwen needs no stand-in).
+- `titans-hf recall toy-base`: a toy Qwen3 base (a tokenizer and a small Qwen3 pretrained on short recall text), the
+  offline base of `scripts/recall.sh` (a pretrained Qwen needs none).
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from titans_hf.tasks.recall.stand_in import pretrain_stand_in
 from .arguments import length, local_or_hub
 
 TRAIN_NAME, EVAL_NAME, EVAL_DEPENDENT_NAME = "train.jsonl", "eval.jsonl", "eval_dependent"
+# What `toy-base` did (steps, loss, shape), in the base's folder (which only ever appears whole).
+PRETRAINING_NAME = "pretraining.json"
 
 
 def add_corpus_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,20 +87,21 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                           help="replace existing outputs (the store only if it is a token store)")
     generate.set_defaults(func=generate_command)
 
-    stand_in = actions.add_parser(
-        "stand-in",
-        help="pretrain a small Qwen3 and its tokenizer on short recall text (the offline base of scripts/recall.sh)",
+    toy_base = actions.add_parser(
+        "toy-base",
+        help="pretrain a toy Qwen3 base and its tokenizer on short recall text (the offline base of scripts/recall.sh)",
         description="Stage a of the recall recipe: a byte-level tokenizer and a small Qwen3 trained with the plain "
         "transformers.Trainer on short recall documents and name glossaries, saved as a plain Qwen folder.",
     )
-    stand_in.add_argument("--output-dir", required=True)
-    stand_in.add_argument("--steps", type=int, default=1200)
-    stand_in.add_argument("--batch-size", type=int, default=32)
-    stand_in.add_argument("--learning-rate", type=float, default=3e-3)
-    add_corpus_arguments(stand_in)
-    stand_in.add_argument("--seed", type=int, default=0)
-    stand_in.add_argument("--overwrite", action="store_true", help="replace an existing stand-in folder")
-    stand_in.set_defaults(func=stand_in_command)
+    toy_base.add_argument("--output-dir", required=True)
+    toy_base.add_argument("--steps", type=int, default=1200)
+    toy_base.add_argument("--batch-size", type=int, default=32)
+    toy_base.add_argument("--learning-rate", type=float, default=3e-3)
+    add_corpus_arguments(toy_base)
+    toy_base.add_argument("--seed", type=int, default=0)
+    toy_base.add_argument("--overwrite", action="store_true",
+                          help="replace a toy base folder this command wrote earlier")
+    toy_base.set_defaults(func=toy_base_command)
 
 
 def _at_least(args: argparse.Namespace, names: tuple[str, ...], low: int) -> None:
@@ -157,7 +160,7 @@ def generate_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def stand_in_command(args: argparse.Namespace) -> int:
+def toy_base_command(args: argparse.Namespace) -> int:
     """Trained in a temporary folder beside the output and renamed into place once saved (a killed run leaves no
     folder that looks like a finished base); --overwrite replaces only a folder this command wrote whole (its
     outputs manifest lists every file in it), never a folder that merely holds a config.json."""
@@ -173,13 +176,13 @@ def stand_in_command(args: argparse.Namespace) -> int:
         give_umask_permissions(scratch)
         done = pretrain_stand_in(scratch, corpus_settings(args), steps=args.steps, batch_size=args.batch_size,
                                  learning_rate=args.learning_rate, seed=args.seed)
-        (scratch / "stand_in.json").write_text(json.dumps(done, indent=2) + "\n")
-        record_folder(scratch, "titans-hf recall stand-in")
+        (scratch / PRETRAINING_NAME).write_text(json.dumps(done, indent=2) + "\n")
+        record_folder(scratch, "titans-hf recall toy-base")
         check_folder_output(output, args.overwrite)  # again: something may have appeared there meanwhile
         replace_outputs([scratch], [output])
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
-    print(f"stand-in base {output}: {done['steps']} steps, final loss {done['final_loss']:.3f}, mean cosine of the "
+    print(f"toy base {output}: {done['steps']} steps, final loss {done['final_loss']:.3f}, mean cosine of the "
           f"values' embeddings {done['value_embedding_cosine']:.2f}")
     return 0

@@ -169,7 +169,7 @@ _PLACES = ["by the mill", "near the harbour", "on the hill", "behind the tavern"
            "beside the river", "in the square"]
 
 
-# ---- what the names mean (text for a stand-in base, never part of a recall document) ----
+# ---- what the names mean (text for a toy base's pretraining, never part of a recall document) ----
 
 # A small model trained only on recall documents sees every value (and every person) in the same contexts, since
 # values are drawn at random per document: language-model training then folds them into one embedding, and a memory
@@ -204,7 +204,7 @@ def name_meaning(name: str) -> str:
 
 
 def glossary_sentence(name: str, rng: random.Random) -> str:
-    """A sentence saying what `name` means: a context of its own for every name, for a stand-in's pretraining."""
+    """A sentence saying what `name` means: a context of its own for every name, for a toy base's pretraining."""
     return rng.choice(_GLOSSARY_TEMPLATES).format(name=name, meaning=name_meaning(name))
 
 

@@ -1,5 +1,5 @@
-"""A stand-in base for the recall corpus: a tokenizer and a small Qwen3 pretrained on short recall text, so the
-recall recipe runs offline on a CPU (`titans-hf recall stand-in`, `scripts/recall.sh`).
+"""A toy Qwen3 base for the recall corpus: a tokenizer and a small Qwen3 pretrained on short recall text, so the
+recall recipe runs offline on a CPU (`titans-hf recall toy-base`, `scripts/recall.sh`).
 
 A pretrained Qwen reads recall documents as it reads any prose; a model made here has to learn that text first,
 from rows short enough for full attention (stage a, the plain `transformers.Trainer`):
