@@ -1,11 +1,10 @@
-"""The demo's haystack sources: training rows shared out between the built-in prose and each source, and prose
-excerpts for the toy base's pretraining, taken from each source in turn."""
+"""The demo's haystack sources: training rows shared out between the built-in prose and each source."""
 
 from __future__ import annotations
 
 from transformers import AutoTokenizer
 
-from titans_hf.commands.demo_job import mixed_haystack_rows, prose_excerpts
+from titans_hf.commands.demo_job import mixed_haystack_rows
 from titans_hf.tasks.babilong import generate_babilong
 
 RIVER = "The river ran fast under the stone bridge. A heron stood in the reeds by the bank. " * 40
@@ -37,11 +36,3 @@ def test_without_sources_the_rows_are_the_generators_in_its_order(tiny_tokenizer
     tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     assert mixed_haystack_rows("qa1", 5, 120, tokenizer, seed=4) == generate_babilong("qa1", 5, 120, tokenizer, seed=4)
 
-
-def test_prose_excerpts_take_each_source_in_turn(tmp_path):
-    river, ledger = sources(tmp_path)
-    excerpts = prose_excerpts((river, ledger), 4, characters=100, seed=1)
-    assert ["heron" in e or "bridge" in e for e in excerpts] == [True, False, True, False]
-    assert ["clerk" in e or "receipt" in e for e in excerpts] == [False, True, False, True]
-    assert all(len(e) >= 100 for e in excerpts)
-    assert prose_excerpts((), 4) == [] and prose_excerpts((river,), 0) == []

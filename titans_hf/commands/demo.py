@@ -55,8 +55,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                         help="share of training rows whose memory starts where another row's ended (0 to 1)")
     parser.add_argument("--haystack", nargs="+", default=[],
                         help="text files or folders of prose that training rows take their haystack from, beside the "
-                             "built-in prose (each an equal share); the toy base is pretrained on them too")
-    parser.add_argument("--no-pretrain-haystack", action="store_true", help="stage a does not read --haystack")
+                             "built-in prose (each an equal share); scripts/fetch_haystacks.py gathers some")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1 measured fastest for this small model; more only adds overhead)")
@@ -88,7 +87,6 @@ def demo_command(args: argparse.Namespace) -> int:
         staged_curriculum=args.curriculum == "staged",
         state_passing=args.state_passing,
         haystacks=tuple(args.haystack),
-        pretrain_haystacks=not args.no_pretrain_haystack,
         overwrite=args.overwrite,
         memory_settings={key: value for key, value in overrides.items() if value is not None},
         seed=args.seed,

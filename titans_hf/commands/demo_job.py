@@ -46,7 +46,6 @@ from titans_hf.tasks.babilong import (
     random_question,
     write_babilong_json,
 )
-from titans_hf.tasks.babilong.generate import read_haystack_sentences
 from titans_hf.tasks.babilong.evaluation import (
     DISTANCE_PLOT_NAME,
     OUTPUT_NAMES as EVALUATION_OUTPUT_NAMES,
@@ -147,24 +146,6 @@ def domain_documents(task: str, num_documents: int, characters: int = 400, entit
     return documents
 
 
-def prose_excerpts(haystacks: tuple[str, ...], count: int, characters: int = 400, seed: int = 0) -> list[str]:
-    """`count` excerpts of about `characters` characters of the haystack sources' sentences (task words dropped),
-    taken in turn from each source at seeded random places."""
-    if not haystacks or count <= 0:
-        return []
-    rng = random.Random(f"titans_hf.demo.prose:{seed}")
-    sources = [read_haystack_sentences([source]) for source in haystacks]
-    excerpts = []
-    for index in range(count):
-        sentences = sources[index % len(sources)]
-        start, parts = rng.randrange(len(sentences)), []
-        while len(" ".join(parts)) < characters:
-            parts.append(sentences[start % len(sentences)])
-            start += 1
-        excerpts.append(" ".join(parts))
-    return excerpts
-
-
 def mixed_haystack_rows(task: str, num_samples: int, length: int, tokenizer, seed: int,
                         haystacks: tuple[str, ...] = ()) -> list[dict[str, str]]:
     """BABILong rows whose haystacks are shared out between the built-in prose and each of `haystacks` (files or
@@ -180,13 +161,13 @@ def mixed_haystack_rows(task: str, num_samples: int, length: int, tokenizer, see
     return rows
 
 
-def build_demo_tokenizer(out_dir: str | Path, vocab_size: int = 1024, seed: int = 0, haystacks: tuple[str, ...] = ()):
+def build_demo_tokenizer(out_dir: str | Path, vocab_size: int = 1024, seed: int = 0):
     """A byte-level BPE tokenizer trained on the demo's own kind of text.
 
     Every actor, location, object and question word is one token: the memory then binds one token to one token,
     and a place is one answer token.
     """
-    texts = domain_documents("qa2", 2000, seed=seed) + prose_excerpts(haystacks, 1000, seed=seed)
+    texts = domain_documents("qa2", 2000, seed=seed)
     # every fact of every task and every entity sentence, so none of their words is split
     texts += [f"{actor} {verb} the {location}." for actor in ACTORS for verb in MOVE_VERBS for location in LOCATIONS]
     texts += [f"{actor} took the {obj}." for actor in ACTORS for obj in OBJECTS]
@@ -205,7 +186,6 @@ def pretrain_base(
     haystack_lengths: tuple[int, ...] = (0, 96),
     entity_share: float = 0.5,
     seed: int = 0,
-    haystacks: tuple[str, ...] = (),
     show_progress: bool = True,
 ) -> dict[str, Any]:
     """Stage a: train a small Qwen3 on `domain_documents` as an ordinary causal LM with full attention, with the
@@ -217,11 +197,10 @@ def pretrain_base(
     # about one row in two a document, the rest BABILong rows with their answers (`haystack_lengths`: bare stories
     # and stories in a short haystack)
     rows_needed = steps * batch_size
-    prose = prose_excerpts(haystacks, rows_needed // 6, seed=seed)
-    documents = domain_documents(task, rows_needed // 2 - len(prose), entity_share=entity_share, seed=seed) + prose
+    documents = domain_documents(task, rows_needed // 2, entity_share=entity_share, seed=seed)
     for index, length in enumerate(haystack_lengths):
-        rows = mixed_haystack_rows(task, rows_needed // (2 * len(haystack_lengths)), length, tokenizer,
-                                   seed=10_000 + 10 * seed + index, haystacks=haystacks if length else ())
+        rows = generate_babilong(task, rows_needed // (2 * len(haystack_lengths)), length, tokenizer,
+                                 seed=10_000 + 10 * seed + index)
         documents += [PROMPT_TEMPLATE.format(**row) + f" {row['target']}" for row in rows]
     random.Random(seed).shuffle(documents)
     losses = pretrain_causal_lm(model, tokenizer, documents, base_dir, steps, batch_size=batch_size,
@@ -336,7 +315,6 @@ def run_demo(
     staged_curriculum: bool = True,
     state_passing: float = 0.5,
     haystacks: tuple[str, ...] = (),
-    pretrain_haystacks: bool = True,
     overwrite: bool = False,
     show_progress: bool = True,
 ) -> dict[str, Any]:
@@ -346,7 +324,9 @@ def run_demo(
     The first epoch trains on rows of one chunk (bare stories); with `staged_curriculum` each later epoch admits the
     rows of the next trained length until all are in, else the second epoch admits them all at once. A
     `state_passing` share of the training rows start from the memory state another row ended in (State Passing,
-    see `TitansTrainingArguments`). Evaluation
+    see `TitansTrainingArguments`). With `haystacks` (text files or folders), the training rows' haystacks are shared
+    out between the built-in prose and each of them (`mixed_haystack_rows`), so that the memory learns to write little
+    on prose in general, not on one text; the base and the evaluation rows are unchanged. Evaluation
     rows come from other generator seeds than training rows. `memory_settings` override `MEMORY_SETTINGS` (and the
     TitansQwenConfig defaults: variant, memory_layers, ...). Everything goes into `output_dir`, which must be absent,
     empty, or (with `overwrite`) a folder an earlier demo wrote, whose outputs it replaces; a run that fails leaves
@@ -371,13 +351,12 @@ def run_demo(
 
         # ---- stage a: the toy base ----
         if model is None:
-            prose = haystacks if pretrain_haystacks else ()
-            tokenizer = build_demo_tokenizer(base_dir, seed=seed, haystacks=prose)
+            tokenizer = build_demo_tokenizer(base_dir, seed=seed)
             # whatever stage b trains on
-            lengths = (0, PRETRAIN_HAYSTACK_CHUNKS[task] * chunk_size)
+            haystack_lengths = (0, PRETRAIN_HAYSTACK_CHUNKS[task] * chunk_size)
             run_info["pretraining"] = pretrain_base(base_dir, tokenizer, task=task, steps=pretrain_steps,
-                                                    haystack_lengths=lengths, entity_share=entity_share, seed=seed,
-                                                    haystacks=prose, show_progress=show_progress)
+                                                    haystack_lengths=haystack_lengths, entity_share=entity_share, seed=seed,
+                                                    show_progress=show_progress)
             base = str(base_dir)
             timings["stage_a_s"] = time.time() - started
             logger.info("stage a: toy base pretrained in %.0fs (%d steps), saved to %s", timings["stage_a_s"],
