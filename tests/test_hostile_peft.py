@@ -155,3 +155,17 @@ def test_a_hub_repository_is_the_same_model_only_at_the_same_revision(adapter, a
     else:
         with pytest.raises(ValueError, match=f"^{adapter}.*: its {ADAPTER_CONFIG_NAME} names {model}"):
             check_auto_peft_base(adapter, adapter_revision, model, model_revision)
+
+
+def test_an_adapter_config_naming_a_memory_folder_without_a_lora_is_refused_naming_both(tiny_qwen3_dir, tmp_path):
+    """A LoRA + memory folder whose adapter_config.json names a memory-only folder (another memory, no adapter of its
+    own): PEFT would put this folder's LoRA on that folder's memory; refused naming both, both folders unchanged."""
+    memory_only = tmp_path / "memory_only"
+    TitansQwenForCausalLM.from_base(tiny_qwen3_dir, chunk_size=8, memory_head_dim=16).save_pretrained(memory_only)
+    folder = save(tiny_qwen3_dir, tmp_path / "edited", seed=1)
+    values = json.loads((folder / ADAPTER_CONFIG_NAME).read_text())
+    (folder / ADAPTER_CONFIG_NAME).write_text(json.dumps({**values, "base_model_name_or_path": str(memory_only)}))
+    before = checksums(folder, memory_only)
+    refused_naming_both(folder, memory_only)
+    assert checksums(folder, memory_only) == before
+    TitansQwenForCausalLM.from_pretrained(memory_only)  # outside PEFT's loader, the memory-only folder loads

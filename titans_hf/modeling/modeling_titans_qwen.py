@@ -44,6 +44,7 @@ import json
 import logging
 import math
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -1352,6 +1353,12 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
             from titans_hf.lora import read_adapter_config
 
             read_adapter_config(adapter_config_path)
+        elif "peft" in sys.modules:  # PEFT's AutoPeftModel may be loading a memory-only folder for another's adapter
+            from titans_hf.lora import auto_peft_adapter, check_auto_peft_base
+
+            peft_adapter = auto_peft_adapter()
+            if peft_adapter is not None:
+                check_auto_peft_base(*peft_adapter, str(memory), revision)
         if base is None:
             base = memory_config.base_model_name_or_path
             if base and not Path(memory).is_dir() and (not is_hub_id(base) or Path(base).exists()):
