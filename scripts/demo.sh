@@ -8,6 +8,10 @@ started=$SECONDS
 # the package alone (the demo needs no extra), named explicitly: a sourced script would otherwise read this
 # script's own arguments as its extras
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh" ""
+# two kinds of English prose (scripture, technical documentation) that the training rows' haystacks mix with the
+# built-in prose, so that the memory learns to write little on prose it has not seen; fetched once into
+# outputs/haystacks (the novel and the Markov prose there are kept for evaluation: scripts/bench_length.py --haystack)
+.venv/bin/python scripts/fetch_haystacks.py --cache outputs/haystacks --sources web_bible docutils
 echo "environment ready in $((SECONDS - started))s"
-.venv/bin/titans-hf demo --overwrite "$@"
+.venv/bin/titans-hf demo --overwrite --haystack outputs/haystacks/web_bible outputs/haystacks/docutils "$@"
 echo "demo.sh finished in $((SECONDS - started))s (install included)"
