@@ -18,6 +18,8 @@ import pytest
 import torch
 import transformers.models.qwen3.modeling_qwen3 as modeling_qwen3
 
+from test_modeling import SMALL_MEMORY, build, random_ids
+
 from titans_hf.modeling import TitansCache, TitansQwenForCausalLM
 from titans_hf.modeling.configuration_titans_qwen import (
     MAX_GRADIENT_RULE_LR,
@@ -26,27 +28,10 @@ from titans_hf.modeling.configuration_titans_qwen import (
     read_memory_config,
 )
 
-SMALL_MEMORY = dict(chunk_size=8, memory_chunk_size=4, memory_num_heads=2, memory_head_dim=16)
-
 
 @pytest.fixture(autouse=True)
 def _one_thread(one_thread):
     """Tiny matmuls: one thread (see conftest)."""
-
-
-def build(base_dir, seed: int = 0, **settings) -> TitansQwenForCausalLM:
-    """A model whose memory contributes to the logits: W_O (zero at init) set to random values."""
-    torch.manual_seed(seed)
-    model = TitansQwenForCausalLM.from_base(base_dir, **{**SMALL_MEMORY, **settings})
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for block in model.memory.values():
-            block.output_weight.copy_(0.5 * torch.randn(block.output_weight.shape, generator=generator))
-    return model.eval()
-
-
-def random_ids(vocab: int, shape: tuple[int, int], seed: int = 0) -> torch.Tensor:
-    return torch.randint(1, vocab, shape, generator=torch.Generator().manual_seed(seed))
 
 
 def sha256(path) -> str:
