@@ -1,7 +1,7 @@
 """The real-base job (`scripts/real_base.sh`): the user's recipe on a real pretrained model, with a prompt that model
 can answer.
 
-The stand-in base of the main job learned BABILong's bare prompt ("...\\n\\nQuestion: Where is Mary? \\nAnswer:")
+The CPU demo's toy base learned BABILong's bare prompt ("...\\n\\nQuestion: Where is Mary? \\nAnswer:")
 in its pretraining; a pretrained instruct model answers it with " The kitchen.", " Mary" or nothing, which the
 exact-match scorer (the first word) cannot credit. The rows this job writes keep BABILong's fields and the
 project's prompt template, and put the instructions into the fields themselves (`formatted_row` in `CHOSEN_FORMAT`):

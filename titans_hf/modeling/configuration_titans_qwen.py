@@ -35,8 +35,8 @@ CONV_INITS = ("identity", "window")  # NeuralMemory.reset_parameters
 # haystack write erases part of the facts along its key, so the gate starts almost closed.
 THETA_BIAS_INIT = {"delta": -6.0, "gradient": -2.0}
 # The write cost's weight by update rule (docs/length.md): with the delta rule, a price on every write keeps the
-# writes between facts small, and a fact's half-life near 1,000 stand-in chunks instead of 300-400 (weight 4 lost
-# accuracy at every length); the gradient rule was not measured with one.
+# writes between facts small, and a fact's half-life near 1,000 chunks of the CPU demo instead of 300-400 (weight 4
+# lost accuracy at every length); the gradient rule was not measured with one.
 WRITE_COST = {"delta": 1.0, "gradient": 0.0}
 # The delta rule's upper bound on max_lr: its step 2 theta < 2 max_lr stays at most 1, so that each write is a
 # contraction along its key.
