@@ -150,18 +150,26 @@ def unrecorded_reason(path: Path) -> str | None:
     return None
 
 
+def _files_written_there(folder: Path, what: str) -> tuple[dict[str, Any], str | None]:
+    """({name: recorded identity} of the files this tool recorded writing into `folder`, None), or ({}, why not):
+    `folder` is a link, not a folder, or its manifest does not say this tool wrote `what` there."""
+    if folder.is_symlink():
+        return {}, "it is a symbolic link"
+    if not folder.is_dir():
+        return {}, "it is not a folder"
+    manifest = read_manifest(folder)
+    if manifest["whole"] is None:
+        return {}, f"it holds no {MANIFEST_NAME} saying titans_hf wrote {what}"
+    return manifest["files"], None
+
+
 def replaceable_folder_problem(folder: str | os.PathLike) -> str | None:
     """None when `folder` is exactly what this tool wrote there as a whole (`record_folder`): every file listed in
     its manifest with its recorded identity and bytes, nothing else in it. Else why not."""
     folder = Path(folder)
-    if folder.is_symlink():
-        return "it is a symbolic link"
-    if not folder.is_dir():
-        return "it is not a folder"
-    manifest = read_manifest(folder)
-    if manifest["whole"] is None:
-        return f"it holds no {MANIFEST_NAME} saying titans_hf wrote the whole folder"
-    listed = manifest["files"]
+    listed, problem = _files_written_there(folder, "the whole folder")
+    if problem is not None:
+        return problem
     present = []
     for path in folder.rglob("*"):
         if path.is_symlink() or not (path.is_file() or path.is_dir()):
@@ -243,14 +251,9 @@ def _replaceable_outputs_problem(folder: str | os.PathLike, outputs: Sequence[st
     earlier run in it (each file or subfolder its manifest lists) is still exactly what it wrote, and none of
     `outputs` is someone else's. Files beside them (a user's) are no reason: they are left alone. Else why not."""
     folder = Path(folder)
-    if folder.is_symlink():
-        return "it is a symbolic link"
-    if not folder.is_dir():
-        return "it is not a folder"
-    manifest = read_manifest(folder)
-    if manifest["whole"] is None:
-        return f"it holds no {MANIFEST_NAME} saying titans_hf wrote the folder"
-    listed = manifest["files"]
+    listed, problem = _files_written_there(folder, "the folder")
+    if problem is not None:
+        return problem
     earlier = {name.split("/")[0] for name in listed}
     for name in sorted(earlier | set(outputs)):
         path = folder / name
