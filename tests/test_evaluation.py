@@ -113,7 +113,9 @@ def test_babilong_files_are_keyed_by_folder_and_stem(tmp_path):
 
 
 def _memory_model(base_dir, seed: int = 0, **settings) -> TitansQwenForCausalLM:
-    """A TitansQwen whose memory path contributes: W_O set non-zero (it starts at zero, which adds nothing)."""
+    """A TitansQwen whose memory path contributes: W_O set non-zero (it starts at zero, which adds nothing). Seeded
+    whole (the memory's initial weights too), so that its answers do not depend on the tests run before it."""
+    torch.manual_seed(seed)
     model = TitansQwenForCausalLM.from_base(base_dir, **{**MEMORY_SETTINGS, **settings}).eval()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
