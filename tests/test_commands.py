@@ -99,7 +99,7 @@ def test_every_command_has_help(run_cli, command):
 
 
 def test_the_readme_32k_recipe_trains_the_measured_memory(tiny_qwen3_dir):
-    """The README's GPU command (chunks of 4096) gets the settings the main job validated, not ones that forget: the
+    """The README's GPU command (chunks of 4096) gets the settings the CPU demo validated, not ones that forget: the
     delta rule with its step at most 1, no forgetting, the state bounded, the write gate starting almost closed, the
     write cost growing eightfold in training; and a model built on them starts its gates there."""
     import dataclasses
@@ -112,7 +112,8 @@ def test_the_readme_32k_recipe_trains_the_measured_memory(tiny_qwen3_dir):
         "--chunk_size", "4096", "--answer_reserve_tokens", "64", "--curriculum_chunks", "1", "2", "4", "8",
         "--num_train_epochs", "4", "--state_passing", "0.5", "--output_dir", "out"])
     config = TitansMemoryConfig(**dataclasses.asdict(memory))
-    assert (config.chunk_size, config.update_rule, config.max_lr, config.max_memory_norm) == (4096, "delta", 0.5, None)
+    assert (config.chunk_size, config.update_rule, config.max_lr, config.max_memory_norm) == (
+        4096, "delta", 0.5, 4 * 64**0.5)
     assert config.forget_bias_init == -30.0  # alpha ~ 1e-13 per update: after 16,384 updates 1 - 2e-9 of a fact
     assert config.theta_bias_init == -6.0 and config.write_cost == 1.0
     assert training.state_passing == 0.5

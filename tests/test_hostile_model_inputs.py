@@ -134,6 +134,8 @@ def test_a_config_file_from_before_the_first_release_is_refused_naming_it(tmp_pa
     (dict(memory_depth=2), r"update_rule='delta' writes the linear memory token by token: it needs "
                            r"memory_model='mlp', memory_depth=1 and no memory_batch_size \(got 'mlp', 2, None\)"),
     (dict(memory_chunk_size=4, memory_batch_size=8), r"update_rule='delta' .* \(got 'mlp', 1, 8\)"),
+    (dict(update_rule="gradient", memory_chunk_size=64, memory_batch_size=100),
+     r"memory_batch_size=100 must be a multiple of memory_chunk_size \(64\) and at least it"),
     (dict(max_lr=0.6), r"update_rule='delta' needs max_lr <= 0.5 .*got 0.6"),
     (dict(update_rule="gradient", max_memory_norm=3.0), r"max_memory_norm bounds the delta rule's state"),
     (dict(variant="mac"), r"variant 'mac' needs num_memory_tokens >= 1"),
@@ -156,6 +158,43 @@ def test_the_limits_of_each_rule_and_variant_are_the_memory_configs_own(tmp_path
         read_memory_config(path)
     assert sha256(path) == before
 
+
+def test_the_delta_rules_norm_bound_is_resolved_into_the_config_and_a_file_without_it_loads_to_the_same(
+        tmp_path, tiny_qwen3_dir):
+    """max_memory_norm None is the delta rule's 4 sqrt(memory_head_dim), resolved into the field when the config is
+    built: the config, its saved file and the model's memories hold the number. A file that holds null (as every
+    delta-rule memory saved before the number was stored) loads to the same number; the gradient rule has none."""
+    assert TitansMemoryConfig().max_memory_norm == 32.0  # 4 sqrt(64)
+    assert TitansMemoryConfig(max_memory_norm=3).max_memory_norm == 3.0
+    assert TitansMemoryConfig(update_rule="gradient").max_memory_norm is None
+    path, values = saved_config(tmp_path, **SMALL_MEMORY)
+    assert values["max_memory_norm"] == 16.0  # 4 sqrt(16)
+    path.write_text(json.dumps({**values, "max_memory_norm": None}))
+    loaded = read_memory_config(path)
+    assert loaded.max_memory_norm == 16.0 and loaded == TitansMemoryConfig(**SMALL_MEMORY)
+    model = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, loaded)
+    assert model.config.memory_config.max_memory_norm == 16.0
+    assert [(block.neural_memory.max_memory_norm, block.neural_memory.update_settings.max_memory_norm)
+            for block in model.memory.values()] == [(16.0, 16.0)]
+    path, values = saved_config(tmp_path, update_rule="gradient")
+    assert values["max_memory_norm"] is None and read_memory_config(path).max_memory_norm is None
+
+
+
+def test_from_base_with_another_update_rule_takes_that_rules_defaults(tiny_qwen3_dir):
+    """A config resolved for the delta rule, given to from_base with update_rule="gradient", leaves the delta rule's
+    resolved values behind (the bound, the write gate's bias, the write cost) and takes the gradient rule's; values
+    given with the new rule stay as given."""
+    delta = TitansMemoryConfig(**SMALL_MEMORY)
+    assert (delta.max_memory_norm, delta.theta_bias_init, delta.write_cost) == (16.0, -6.0, 1.0)
+    memory = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, delta, update_rule="gradient").config.memory_config
+    assert (memory.update_rule, memory.max_memory_norm, memory.theta_bias_init, memory.write_cost) == (
+        "gradient", None, -2.0, 0.0)
+    memory = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, delta, update_rule="gradient",
+                                             theta_bias_init=-3.0).config.memory_config
+    assert (memory.theta_bias_init, memory.write_cost) == (-3.0, 0.0)
+    memory = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, delta, max_lr=0.25).config.memory_config
+    assert (memory.update_rule, memory.max_memory_norm, memory.theta_bias_init) == ("delta", 16.0, -6.0)
 
 @pytest.mark.parametrize("version", [2, "1", None, True])
 def test_a_config_file_of_an_unknown_format_is_refused(tmp_path, version):

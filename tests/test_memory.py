@@ -419,10 +419,7 @@ def test_retrieve_reads_without_writing():
 
 
 def test_bad_arguments_name_the_problem():
-    with pytest.raises(ValueError, match="batch_size"):
-        NeuralMemory(16, 2, 8, memory_chunk_size=8, memory_batch_size=12)
-    with pytest.raises(ValueError, match="depth"):
-        NeuralMemory(16, 2, 8, memory_depth=0)
+    """The inputs of a call (the settings are the config's to check: test_the_settings_a_neural_memory_takes_...)."""
     mem = NeuralMemory(16, 2, 8)
     with pytest.raises(ValueError, match="hidden"):
         mem(torch.randn(2, 5, 15))
@@ -441,8 +438,6 @@ def test_window_conv_init_averages_query_and_key_taps_and_keeps_values_identity(
     assert torch.equal(window[2 * inner :], identity_taps)
     identity = NeuralMemory(8, heads, dim, memory_depth=1, conv_kernel=kernel).conv_weight.detach()
     assert torch.equal(identity, identity_taps.repeat(3, 1))
-    with pytest.raises(ValueError, match="conv_init"):
-        NeuralMemory(8, heads, dim, conv_init="mean")
 
 
 # ---- the memory-model seam: models with only a forward, registered by name ----
@@ -643,7 +638,7 @@ def test_delta_rule_state_stays_bounded_under_adversarial_writes():
     assert largest >= 0.99 * cap
 
 
-# ---- the names the config checks, and the ops a memory binds ----
+# ---- the names and settings the config checks, and the ops a memory binds ----
 
 
 def test_the_configs_names_are_the_registries_keys_and_the_config_imports_no_model_code():
@@ -656,6 +651,56 @@ def test_the_configs_names_are_the_registries_keys_and_the_config_imports_no_mod
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     assert not imported & {"memory", "variants", "ops", "modeling_titans_qwen", "torch"}, imported
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    (dict(update_rule="gradient", memory_chunk_size=8, memory_batch_size=12),
+     r"memory_batch_size=12 must be a multiple of memory_chunk_size \(8\) and at least it"),
+    (dict(update_rule="gradient", memory_chunk_size=8, memory_batch_size=4),
+     r"memory_batch_size=4 must be a multiple of memory_chunk_size \(8\) and at least it"),
+    (dict(memory_depth=0), r"memory_depth=0 must be an integer >= 1"),
+    (dict(memory_head_dim=0), r"memory_head_dim=0 must be an integer >= 1"),
+    (dict(memory_num_heads=0), r"memory_num_heads=0 must be an integer >= 1 or None"),
+    (dict(memory_expansion=0), r"memory_expansion=0 must be an integer >= 1"),
+    (dict(conv_kernel=0), r"conv_kernel=0 must be an integer >= 1"),
+    (dict(memory_chunk_size=0), r"memory_chunk_size=0 must be an integer >= 1"),
+    (dict(conv_init="mean"), r"conv_init='mean' must be one of \['identity', 'window'\]"),
+    (dict(max_lr=0.0), r"max_lr=0.0 must be > 0"),
+    (dict(max_lr=-0.1, update_rule="gradient"), r"max_lr=-0.1 must be > 0"),
+])
+def test_the_settings_a_neural_memory_takes_as_they_are_are_refused_by_the_config_naming_them(settings, message):
+    """NeuralMemory takes the values TitansMemoryConfig resolved and checked; the config refuses each of these, which
+    would build a memory that computes something else (a batch of 12 tokens over chunks of 8 refreshes its gradient
+    point every chunk, depth 0 builds the linear memory, an unknown conv_init starts as the identity)."""
+    with pytest.raises(ValueError, match=message):
+        configuration_titans_qwen.TitansMemoryConfig(**settings)
+
+
+def test_a_rule_or_memory_model_without_an_implementation_is_refused_when_the_memory_is_built(forward_only_models,
+                                                                                                monkeypatch):
+    """What the module cannot be built without: a memory model or rule no registry holds, and an op for the rule on
+    this memory. The delta rule's op writes the linear memory M_W(z) = z + z W alone; on any other (the module's own
+    default depth 2, or a memory model without the residual) the memory used to build and then fail in its first
+    forward ("too many values to unpack"), or read its weights as the wrong function. The op table refuses it when
+    it binds, a kernel set or not."""
+    with pytest.raises(ValueError, match=r"NeuralMemory: update_rule must be one of \['delta', 'gradient'\], "
+                                         "got 'hebb'"):
+        NeuralMemory(16, 2, 8, update_rule="hebb")
+    needs = (r"update_rule='delta' needs the linear memory, M_W\(z\) = z \+ z W \(memory_model='mlp' with "
+             r"memory_depth 1\); this memory is another")
+    with pytest.raises(ValueError, match=needs):
+        NeuralMemory(16, 2, 8, max_lr=0.5, update_rule="delta", max_memory_norm=3.0)  # depth 2
+    with pytest.raises(ValueError, match=needs):
+        NeuralMemory(16, 2, 8, memory_depth=1, max_lr=0.5, memory_model="linear", update_rule="delta",
+                     max_memory_norm=3.0)  # M_W(z) = z W
+    with pytest.raises(ValueError, match=needs):
+        ops.UPDATE_OPS["delta"].bind(linear_memory=False)
+    monkeypatch.setattr(ops.UPDATE_OPS["delta"], "kernel", ops.naive)
+    with pytest.raises(ValueError, match=needs):
+        ops.UPDATE_OPS["delta"].bind(linear_memory=False)
+    assert ops.UPDATE_OPS["delta"].bind(linear_memory=True) is ops.naive
+    assert ops.UPDATE_OPS["gradient"].bind(linear_memory=False) is ops.gradient  # the gradient rule: any memory
+    assert [rule.name for rule in ops.UPDATE_OPS.values()] == list(ops.UPDATE_OPS)
 
 
 def test_a_kernel_set_in_the_ops_table_is_bound_by_the_memories_built_after_it(monkeypatch):

@@ -38,6 +38,9 @@ THETA_BIAS_INIT = {"delta": -6.0, "gradient": -2.0}
 # writes between facts small, and a fact's half-life near 1,000 chunks of the CPU demo instead of 300-400 (weight 4
 # lost accuracy at every length); the gradient rule was not measured with one.
 WRITE_COST = {"delta": 1.0, "gradient": 0.0}
+# The delta rule's default max_memory_norm, in multiples of sqrt(memory_head_dim): the bound each head's fast weights
+# are rescaled to (docs/length.md, row 14; twice it, row 22, gained nothing at 1,024 or 4,096 chunks).
+MEMORY_NORM_PER_SQRT_HEAD_DIM = 4.0
 # The delta rule's upper bound on max_lr: its step 2 theta < 2 max_lr stays at most 1, so that each write is a
 # contraction along its key.
 MAX_DELTA_RULE_LR = 0.5
@@ -64,7 +67,10 @@ class TitansMemoryConfig:
     """Every setting of a Titans memory, and the base model it belongs to (PEFT's adapter config, for a memory).
 
     The single source of the memory settings: `TitansQwenConfig.memory_config`, the `titans-hf train` flags (each
-    field's `help`), the model card and the checkpoints all read them from here. `memory_layers` and
+    field's `help`), the model card and the checkpoints all read them from here. Construction checks every setting
+    and every limit of its update rule, and resolves each per-rule default left None (`theta_bias_init`,
+    `write_cost`, `max_memory_norm`) into the field, once: what reads the config (the model's `NeuralMemory`, the
+    card, a saved `memory_config.json`) takes the values as they are. `memory_layers` and
     `memory_num_heads` may stay None until the config meets a base (`TitansQwenConfig` resolves them: the middle
     layer; hidden size // head dim).
 
@@ -94,7 +100,8 @@ class TitansMemoryConfig:
         memory_chunk_size (`int`, *optional*, defaults to 64):
             Tokens per memory update chunk: a token reads the weights its chunk started with.
         memory_batch_size (`int`, *optional*, defaults to `None`):
-            Tokens between refreshes of the point where inner gradients are taken; None: every update.
+            Tokens between refreshes of the point where inner gradients are taken, a multiple of
+            `memory_chunk_size` (the delta rule: `memory_chunk_size` itself); None: every update.
         update_rule (`str`, *optional*, defaults to `"delta"`):
             How the memory writes: "delta" (each token's step at the weights the tokens before it left, its norm
             bounded by `max_memory_norm`) or "gradient" (Titans' chunked rule, with momentum).
@@ -103,7 +110,8 @@ class TitansMemoryConfig:
             `MAX_GRADIENT_RULE_LR`, 1e6, where its clipped step can still be computed).
         max_memory_norm (`float`, *optional*, defaults to `None`):
             delta: each head's fast weights are rescaled to this Frobenius norm whenever an update leaves them above
-            it; None: 4 * sqrt(`memory_head_dim`).
+            it; None: 4 * sqrt(`memory_head_dim`) (`MEMORY_NORM_PER_SQRT_HEAD_DIM`), the value the config then holds
+            (and saves). The gradient rule has no such bound: None.
         theta_bias_init (`float`, *optional*, defaults to `None`):
             Initial bias of the write gate: theta starts near `max_lr` * sigmoid(`theta_bias_init`); None: the value
             each rule was measured with (`THETA_BIAS_INIT`: -6 for delta, -2 for gradient).
@@ -163,7 +171,8 @@ class TitansMemoryConfig:
         "help": "Tokens per update chunk: a token reads the weights its chunk started with (with the delta rule "
                 "every token still takes its own step)."})
     memory_batch_size: int | None = field(default=None, metadata={
-        "help": "Tokens between refreshes of the point where inner gradients are taken (None: every update)."})
+        "help": "Tokens between refreshes of the point where inner gradients are taken, a multiple of "
+                "memory_chunk_size (None: every update)."})
     update_rule: str = field(default="delta", metadata={
         "help": "How the memory writes: delta (each token's step at the weights the tokens before it left, a "
                 "contraction along its key; the state's norm stays under max_memory_norm) or gradient (Titans' "
@@ -204,6 +213,8 @@ class TitansMemoryConfig:
     base_fingerprint: str | None = None
     titans_hf_version: str = __version__
 
+    # the settings whose None resolves to a value of the update rule's (`__post_init__`)
+    PER_RULE_FIELDS: ClassVar[tuple[str, ...]] = ("theta_bias_init", "write_cost", "max_memory_norm")
     BASE_FIELDS: ClassVar[tuple[str, ...]] = ("base_model_name_or_path", "revision", "base_shape",
                                               "base_fingerprint", "titans_hf_version")
 
@@ -240,13 +251,19 @@ class TitansMemoryConfig:
                               ("update_rule", UPDATE_RULES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {sorted(choices)}")
+        if self.memory_batch_size is not None and self.memory_batch_size % self.memory_chunk_size:
+            raise ValueError(f"memory_batch_size={self.memory_batch_size!r} must be a multiple of memory_chunk_size "
+                             f"({self.memory_chunk_size}) and at least it: the point where inner gradients are taken "
+                             "moves only where an update chunk ends")
         if self.theta_bias_init is None:
             self.theta_bias_init = THETA_BIAS_INIT[self.update_rule]
         if self.write_cost is None:
             self.write_cost = WRITE_COST[self.update_rule]
+        if self.max_memory_norm is None and self.update_rule == "delta":
+            self.max_memory_norm = MEMORY_NORM_PER_SQRT_HEAD_DIM * math.sqrt(self.memory_head_dim)
         for name in ("max_lr", "max_memory_norm", "theta_bias_init", "forget_bias_init", "write_cost"):
             value = getattr(self, name)
-            if value is None and name == "max_memory_norm":
+            if value is None and name == "max_memory_norm":  # the gradient rule's
                 continue
             if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
                     or abs(value) > FLOAT32_MAX):
@@ -301,14 +318,6 @@ class TitansMemoryConfig:
     def setting_names(cls) -> tuple[str, ...]:
         """The settings that shape the memory (every field but the base's)."""
         return tuple(f.name for f in dataclasses.fields(cls) if f.name not in cls.BASE_FIELDS)
-
-    @property
-    def memory_norm_bound(self) -> float | None:
-        """The Frobenius norm the delta rule rescales each head's fast weights to when a write leaves them above it:
-        `max_memory_norm`, or 4 * sqrt(`memory_head_dim`) when that is None; None for the gradient rule."""
-        if self.update_rule != "delta":
-            return None
-        return self.max_memory_norm or 4 * math.sqrt(self.memory_head_dim)
 
     def memory_settings(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.setting_names()}

@@ -23,7 +23,7 @@ heads of size `d`, all heads batched):
   ``G_j *= c / max(||G_j||, c)`` with ``||G_j||`` the norm over all layers and ``c = max_surprise_norm``.
   ``S_j = eta_j S_{j-1} - G_j``; ``W_j = (1 - alpha_j) W_{j-1} + S_j``; ``S_{-1} = 0``, ``W_{-1}`` = initial weights.
   A chunk without any real token leaves ``S`` and ``W`` unchanged.
-* The delta rule (``update_rule="delta"``, linear memory only, the configs' default): every token takes its own step
+* The delta rule (``update_rule="delta"``, linear memory only, the config's default): every token takes its own step
   at the weights the tokens before it left, ``W <- W - theta_t grad_W ||M_W(k_t) - v_t||^2 = W + beta_t k_t^T (v_t -
   k_t - k_t W)`` with ``beta_t = 2 theta_t <= 2 max_lr <= 1``; Titans' per-token rule without momentum, i.e. the
   (gated) delta rule of DeltaNet. Since ``||k_t|| = 1``, each step maps ``W`` by ``I - beta_t k_t^T k_t``, whose
@@ -34,9 +34,12 @@ heads of size `d`, all heads batched):
   values under nearly equal keys chase a least-squares solution of unbounded norm). Momentum is unused.
 * Read: token ``t`` of chunk ``j`` returns ``M_{W_{j-1}}(q_t)``: only strictly earlier chunks wrote what it reads.
   :meth:`NeuralMemory.retrieve` reads the current weights for tokens outside the stream, writing nothing.
-* Initial gate biases (``theta_bias_init`` -2, ``momentum_bias_init`` 0, ``forget_bias_init`` -4): small steps,
-  since a chunk's summed gradient multiplies the step by the chunk length; the surprise clip then bounds every
-  update, so ``||W_j|| <= ||W_{-1}|| + c / ((1 - max eta) min alpha)`` per head.
+* Initial gate biases: :class:`NeuralMemory`'s own defaults, for the module alone, are those of Titans' gradient rule
+  (``theta_bias_init`` -2, ``momentum_bias_init`` 0, ``forget_bias_init`` -4): small steps, since a chunk's summed
+  gradient multiplies the step by the chunk length; the surprise clip then bounds every update, so
+  ``||W_j|| <= ||W_{-1}|| + c / ((1 - max eta) min alpha)`` per head. A model's memories take the biases
+  `TitansMemoryConfig` resolves instead: ``theta_bias_init`` -6 with the delta rule and -2 with the gradient rule,
+  ``forget_bias_init`` -30 (no forgetting) with both; ``momentum_bias_init`` stays 0 (no config field).
 
 The update rules are ops of one signature in :mod:`titans_hf.modeling.ops` (``gradient``, ``gradient_linear``,
 ``delta``, and the reference ``naive``); a `NeuralMemory` binds its rule's op once, when it is built, from
@@ -46,10 +49,10 @@ A memory model is a :class:`MemoryModel`: weight shapes, init and ``M_W(z)``; it
 autograd. An :class:`ExplicitMemoryModel` (the MLP) writes the inner gradient and its reverse out as batched
 matmuls, so each update chunk runs as one autograd node (``ops._ChunkStep``) and the surprise of a memory batch as
 another (:class:`_Surprise`); all heads, and all chunks of a memory batch, run as single matmuls either way. At depth 1
-(``M_W(z) = z + z W``, the default) the surprise is affine in ``W`` and the reads are linear in it: the stream then
-runs as a scan that only writes, and every chunk's reads are one product after it (``ops.gradient_linear``; the delta
-rule's ``ops.delta`` solves each chunk's triangular system for all chunks before its loop, the WY form of DeltaNet's
-chunkwise algorithm).
+(``M_W(z) = z + z W``, the config's default) the surprise is affine in ``W`` and the reads are linear in it: the stream
+then runs as a scan that only writes, and every chunk's reads are one product after it (``ops.gradient_linear``; the
+delta rule's ``ops.delta`` solves each chunk's triangular system for all chunks before its loop, the WY form of
+DeltaNet's chunkwise algorithm).
 State is fp32 (fp64 when the module is fp64) whatever the activation dtype, and everything needed to continue
 mid-chunk lives in :class:`MemoryState`, so feeding the tokens in any pieces gives the same reads and state as one
 pass.
@@ -66,7 +69,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .configuration_titans_qwen import CONV_INITS
 from .ops import UPDATE_OPS, UpdateSettings
 
 _LIST_FIELDS = ("weights", "momentum", "batch_start_weights")
@@ -358,16 +360,32 @@ class MLPMemory(ExplicitMemoryModel):
 MEMORY_MODELS: dict[str, type[MemoryModel]] = {"mlp": MLPMemory}
 
 
+def _registered(registry: dict[str, Any], argument: str, name: str) -> Any:
+    """``registry[name]``; a name it lacks is a ValueError naming `argument` and the registered names."""
+    if name not in registry:
+        raise ValueError(f"NeuralMemory: {argument} must be one of {sorted(registry)}, got {name!r}")
+    return registry[name]
+
+
 class NeuralMemory(nn.Module):
     """Multi-head Titans memory: ``forward(hidden, state) -> (reads, new_state)``; no output projection (the model
     owns it). See the module docstring for the exact math.
 
-    The arguments carry the names of the `TitansMemoryConfig` fields they come from, as values the config resolved
-    and checked (its per-rule defaults and limits are not checked again here): `memory_model` names the function each
-    head learns, a key of :data:`MEMORY_MODELS`; `update_rule` its rule, a key of :data:`~.ops.UPDATE_OPS`, whose op
-    the memory binds once, here (a kernel set there, else torch's); the delta rule needs the linear memory
-    (`memory_depth` 1), no memory batch, ``max_lr <= 0.5`` and a `max_memory_norm`. `max_surprise_norm` (the gradient
-    rule's clip) and `momentum_bias_init` are no config fields: a model's memories take their defaults."""
+    The arguments carry the names of the `TitansMemoryConfig` fields they come from and take the values the config
+    resolved and checked (the variants pass them); nothing here checks them again: sizes >= 1, a `memory_batch_size`
+    that is a multiple of `memory_chunk_size`, `conv_init`, ``max_lr > 0`` and each rule's limits (the delta rule: the
+    linear memory, no memory batch, ``max_lr <= 0.5``, a `max_memory_norm`) are the config's. Refused here is only
+    what the module cannot be built without: a `memory_model` that is no key of :data:`MEMORY_MODELS` (the function
+    each head learns), an `update_rule` that is no key of :data:`~.ops.UPDATE_OPS` (the rule whose op the memory
+    binds once, here: a kernel set there, else torch's), and a rule without an op for this memory (the delta rule on
+    any memory but the linear one, `memory_depth` 1).
+
+    The keyword defaults are the standalone module's, with which the tests build it: Titans' gradient rule on a
+    depth-2 MLP, ``max_lr`` 0.1, the identity convolution and gate biases -2 (write), 0 (momentum), -4 (forget). A
+    model's memories take the config's instead, which differ: the delta rule on the linear memory, ``max_lr`` 0.5,
+    the window convolution, ``forget_bias_init`` -30 and each rule's own `theta_bias_init` and `max_memory_norm`
+    (see `TitansMemoryConfig`). `max_surprise_norm` (the gradient rule's clip) and `momentum_bias_init` are no config
+    fields: a model's memories take their defaults here."""
 
     def __init__(
         self,
@@ -391,36 +409,20 @@ class NeuralMemory(nn.Module):
         max_memory_norm: float | None = None,
     ):
         super().__init__()
-        for name, value in dict(hidden_size=hidden_size, memory_num_heads=memory_num_heads,
-                                memory_head_dim=memory_head_dim, memory_depth=memory_depth,
-                                memory_expansion=memory_expansion, conv_kernel=conv_kernel,
-                                memory_chunk_size=memory_chunk_size).items():
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"NeuralMemory: {name} must be a positive integer, got {value!r}")
-        if conv_init not in CONV_INITS:
-            raise ValueError(f"NeuralMemory: conv_init must be one of {CONV_INITS}, got {conv_init!r}")
-        if memory_model not in MEMORY_MODELS:
-            raise ValueError(f"NeuralMemory: memory_model must be one of {sorted(MEMORY_MODELS)}, got {memory_model!r}")
-        if update_rule not in UPDATE_OPS:
-            raise ValueError(f"NeuralMemory: update_rule must be one of {sorted(UPDATE_OPS)}, got {update_rule!r}")
-        memory_batch_size = memory_chunk_size if memory_batch_size is None else memory_batch_size
-        if memory_batch_size < memory_chunk_size or memory_batch_size % memory_chunk_size:
-            raise ValueError(f"NeuralMemory: memory_batch_size ({memory_batch_size}) must be a multiple of "
-                             f"memory_chunk_size ({memory_chunk_size})")
-        if not max_lr > 0:
-            raise ValueError(f"NeuralMemory: max_lr must be > 0, got {max_lr}")
         if max_surprise_norm is not None and not max_surprise_norm > 0:
             raise ValueError(f"NeuralMemory: max_surprise_norm must be > 0 or None, got {max_surprise_norm}")
+        memory_batch_size = memory_chunk_size if memory_batch_size is None else memory_batch_size
         self.hidden_size, self.memory_num_heads, self.memory_head_dim = hidden_size, memory_num_heads, memory_head_dim
         self.memory_depth, self.conv_kernel, self.conv_init = memory_depth, conv_kernel, conv_init
         self.memory_chunk_size, self.memory_batch_size = memory_chunk_size, memory_batch_size
         self.memory_model = memory_model
-        self.model = MEMORY_MODELS[memory_model](memory_head_dim, memory_depth, memory_expansion)
+        self.model = _registered(MEMORY_MODELS, "memory_model", memory_model)(memory_head_dim, memory_depth,
+                                                                               memory_expansion)
         # M_W(z) = z + z W: the surprise is affine in W, and the gradient rule runs as ops.gradient_linear
         self.affine = isinstance(self.model, MLPMemory) and len(self.model.shapes) == 1
         self.max_lr, self.max_surprise_norm = max_lr, max_surprise_norm
         self.update_rule, self.max_memory_norm = update_rule, max_memory_norm
-        self.update_op = UPDATE_OPS[update_rule].bind(linear_memory=self.affine)
+        self.update_op = _registered(UPDATE_OPS, "update_rule", update_rule).bind(linear_memory=self.affine)
         self.update_settings = UpdateSettings(
             model=self.model, update_rule=update_rule, memory_chunk_size=memory_chunk_size,
             chunks_per_batch=memory_batch_size // memory_chunk_size, max_surprise_norm=max_surprise_norm,

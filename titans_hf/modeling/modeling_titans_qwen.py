@@ -1261,7 +1261,8 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
                 Further arguments of the base's `from_pretrained` (`token`, `device_map`, ...).
             **memory_settings:
                 `TitansMemoryConfig` fields (`chunk_size`, `memory_layers`, `variant`, ...), over `memory_config`'s;
-                an unknown name is a ValueError.
+                an unknown name is a ValueError. An `update_rule` other than `memory_config`'s takes its own rule's
+                defaults for the settings `memory_config` resolved per rule (`PER_RULE_FIELDS`) unless given here.
 
         Returns:
             `TitansQwenForCausalLM`: the base with a freshly initialised memory, on the base's device.
@@ -1282,7 +1283,11 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
             backbone, name = AutoModelForCausalLM.from_pretrained(base, **load_kwargs), str(base)
         if not (hasattr(backbone, "model") and hasattr(backbone, "lm_head")):
             raise ValueError(f"from_base: {name} is a {type(backbone).__name__}, not a Qwen causal LM")
-        values = {**(memory_config.to_dict() if memory_config is not None else {}), **memory_settings}
+        values = memory_config.to_dict() if memory_config is not None else {}
+        if values and memory_settings.get("update_rule", values["update_rule"]) != values["update_rule"]:
+            # the other rule's values: None resolves them anew for this one
+            values.update(dict.fromkeys(TitansMemoryConfig.PER_RULE_FIELDS))
+        values.update(memory_settings)
         if values.get("base_model_name_or_path") is None:
             values.update(base_model_name_or_path=name, revision=revision)
             if name and Path(name).is_dir():  # a local base: the same folder from anywhere, and the same model

@@ -32,9 +32,10 @@ The ops, named as `update_rule` spells them:
 
 Kernel seam: :data:`UPDATE_OPS` holds each rule's implementations (:class:`UpdateRuleOps`), and a `NeuralMemory`
 binds one of them when it is built: the rule's `kernel` when one is set, else its torch op (the linear memory's own
-where the rule has one). A kernel of the same signature (a Triton WY step, say) plugs in with
-``UPDATE_OPS["delta"].kernel = chunk_delta_kernel``, before the model is built; it must serve every memory its rule
-runs on and may return the momentum as it came if its rule does not use it (the delta rule).
+where the rule has one); a rule that runs on the linear memory alone (the delta rule) refuses any other memory there.
+A kernel of the same signature (a Triton WY step, say) plugs in with ``UPDATE_OPS["delta"].kernel =
+chunk_delta_kernel``, before the model is built; it must serve every memory its rule runs on and may return the
+momentum as it came if its rule does not use it (the delta rule).
 """
 
 from __future__ import annotations
@@ -309,28 +310,36 @@ class UpdateRuleOps:
     """The implementations of one update rule, each an :class:`UpdateOp`.
 
     Args:
-        torch_op: torch's, for every memory the rule runs on.
-        linear_op: torch's for the linear memory (``M_W(z) = z + z W``), where the rule has a faster one.
+        name: the rule, as `update_rule` spells it (its key in :data:`UPDATE_OPS`).
+        torch_op: torch's, for any memory model; None where the rule runs on the linear memory alone.
+        linear_op: torch's for the linear memory (``M_W(z) = z + z W``), where the rule has its own.
         kernel: a device kernel that replaces both once set (e.g. ``UPDATE_OPS["delta"].kernel = ...``); None: torch.
     """
 
-    torch_op: UpdateOp
+    name: str
+    torch_op: UpdateOp | None = None
     linear_op: UpdateOp | None = None
     kernel: UpdateOp | None = None
 
     def bind(self, linear_memory: bool) -> UpdateOp:
         """The op a memory runs, chosen once when it is built: the kernel, or else torch's (as Qwen3-Next binds
-        fla's `chunk_gated_delta_rule or torch_chunk_gated_delta_rule`)."""
+        fla's `chunk_gated_delta_rule or torch_chunk_gated_delta_rule`). A memory other than the linear one
+        (`linear_memory` false) is refused with a ValueError where the rule runs on the linear memory alone (no
+        `torch_op`): its op would read the weights as that memory's single ``W``."""
+        if not linear_memory and self.torch_op is None:
+            raise ValueError(f"update_rule={self.name!r} needs the linear memory, M_W(z) = z + z W (memory_model="
+                             "'mlp' with memory_depth 1); this memory is another: set memory_depth=1, or "
+                             "update_rule='gradient' for a deeper memory")
         if self.kernel is not None:
             return self.kernel
         return self.linear_op if linear_memory and self.linear_op is not None else self.torch_op
 
 
 # Every update rule's implementations, by the name `update_rule` gives it (its keys: the config's UPDATE_RULES)
-UPDATE_OPS: dict[str, UpdateRuleOps] = {
-    "gradient": UpdateRuleOps(torch_op=gradient, linear_op=gradient_linear),
-    "delta": UpdateRuleOps(torch_op=delta),
-}
+UPDATE_OPS: dict[str, UpdateRuleOps] = {rule.name: rule for rule in (
+    UpdateRuleOps("gradient", torch_op=gradient, linear_op=gradient_linear),
+    UpdateRuleOps("delta", linear_op=delta),
+)}
 
 
 # ---- pieces the ops share ----

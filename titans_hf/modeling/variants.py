@@ -53,7 +53,7 @@ class TitansMemoryBlock(nn.Module):
             forget_bias_init=memory.forget_bias_init,
             memory_model=memory.memory_model,
             update_rule=memory.update_rule,
-            max_memory_norm=memory.memory_norm_bound,
+            max_memory_norm=memory.max_memory_norm,
         )
         self.output_weight = nn.Parameter(torch.zeros(hidden, memory.memory_num_heads * memory.memory_head_dim))
 

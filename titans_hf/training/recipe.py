@@ -38,8 +38,8 @@ from transformers import AutoConfig, AutoTokenizer, TrainerCallback, set_seed
 from titans_hf.data.tokenizers import check_tokenizer_argument
 from titans_hf.data.tokens_builder import check_stores_tokenizer, store_data_files
 from titans_hf.modeling import MEMORY_VARIANTS, TitansQwenForCausalLM
-from titans_hf.modeling.configuration_titans_qwen import TitansMemoryConfig
-from titans_hf.modeling.memory import CONV_INITS, MEMORY_MODELS
+from titans_hf.modeling.configuration_titans_qwen import CONV_INITS, TitansMemoryConfig
+from titans_hf.modeling.memory import MEMORY_MODELS
 from titans_hf.tasks.babilong import find_babilong_sources
 from titans_hf.tasks.babilong.builder import build_babilong
 
