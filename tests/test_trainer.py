@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import tempfile
 
@@ -31,6 +32,7 @@ from titans_hf.training.trainer import answer_exact_match
 
 STEPS_PER_EPOCH = 3  # 6 rows, batch 1, gradient accumulation 2
 ANSWER_TOKENS = 4
+PASSED_STATES = "passed_memory_states.safetensors"
 
 
 def memory_model(model_dir) -> TitansQwenForCausalLM:
@@ -634,3 +636,135 @@ def test_state_passing_resumes_bitwise_from_the_states_it_saved(tiny_qwen3_dir, 
     tampered.train(resume_from_checkpoint=True)
     assert not all(torch.equal(trainable_weights(tampered.model)[name], weight)
                    for name, weight in trainable_weights(full.model).items())
+
+
+class SeesPassedStates(TrainerCallback):
+    """Records, at each save, the step and whether its checkpoint already holds the passed states."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        self.seen.append((state.global_step, os.path.isfile(os.path.join(folder, PASSED_STATES))))
+
+
+@pytest.fixture(scope="module")
+def state_passing_runs(tiny_qwen3_dir, rows, tmp_path_factory):
+    """Under State Passing (share 1): the trainer of an uninterrupted run of 2 epochs, the output_dir of the same run
+    stopped after the checkpoint of step 2, and what a user's callback saw of that run's checkpoints at each save."""
+    full = make_trainer(tiny_qwen3_dir, tmp_path_factory.mktemp("full"), rows, save_strategy="no", state_passing=1.0)
+    full.train()
+    stopped, user_callback = tmp_path_factory.mktemp("stopped"), SeesPassedStates()
+    make_trainer(tiny_qwen3_dir, stopped, rows, callbacks=[StopAtStep(2), user_callback], state_passing=1.0).train()
+    return full, stopped, user_callback.seen
+
+
+def test_state_passing_is_resumed_by_its_callback_alone(tiny_qwen3_dir, rows, state_passing_runs, tmp_path):
+    """`PassedStatesCallback` is what saves and restores the passed states: the same resume as the bitwise one
+    (test_state_passing_resumes_bitwise_from_the_states_it_saved) with the callback taken out of the trainer's
+    callbacks starts its first micro-batch fresh, so it ends elsewhere than the uninterrupted run, and none of its
+    checkpoints holds the states. With it, every other callback's on_save finds them in the checkpoint."""
+    from titans_hf.training.callbacks import PassedStatesCallback
+
+    full, stopped, seen = state_passing_runs
+    assert seen == [(1, True), (2, True)]
+    run = shutil.copytree(stopped, tmp_path / "run")
+    resumed = make_trainer(tiny_qwen3_dir, run, rows, state_passing=1.0)
+    assert [type(c) for c in resumed.callback_handler.callbacks].count(PassedStatesCallback) == 1
+    resumed.remove_callback(PassedStatesCallback)
+    resumed.train(resume_from_checkpoint=str(run / "checkpoint-2"))
+    assert resumed.state.global_step == 2 * STEPS_PER_EPOCH
+    assert [step for step in range(1, 7) if (run / f"checkpoint-{step}" / PASSED_STATES).is_file()] == [1, 2]
+    assert not all(torch.equal(trainable_weights(resumed.model)[name], weight)
+                   for name, weight in trainable_weights(full.model).items())
+
+
+def test_passed_states_callback_writes_the_states_into_the_checkpoint_and_reads_them_back(tmp_path, monkeypatch):
+    """on_save writes the states into checkpoint-{global_step} of output_dir (no temporary file left), resume_from
+    reads them back and on_train_begin hands them to the run: bitwise the states saved. A fresh run starts with none;
+    a write that fails removes the checkpoint, which could not be resumed without it, and a full disk says so."""
+    from transformers import TrainerControl, TrainerState
+
+    from titans_hf.modeling.memory import NeuralMemory
+    from titans_hf.training import checkpointing
+    from titans_hf.training.callbacks import PassedStatesCallback
+
+    torch.manual_seed(0)
+    memory = NeuralMemory(8, 2, 4, memory_depth=1, memory_chunk_size=4, max_lr=0.5, update_rule="delta",
+                          max_memory_norm=3.0)
+    _, ended = memory(torch.randn(2, 8, 8))
+
+    class Model(torch.nn.Module):  # the one method of a TitansQwen that the callback uses
+        def init_memory_states(self, rows):
+            return {3: memory.init_state(rows)}
+
+    args, control = make_args(tmp_path, state_passing=1.0), TrainerControl()
+    callback = PassedStatesCallback()
+    callback.states = {3: ended.detach()}
+    (tmp_path / "checkpoint-7").mkdir()
+    callback.on_save(args, TrainerState(global_step=7), control)
+    assert os.listdir(tmp_path / "checkpoint-7") == [PASSED_STATES]
+    saved = safetensors.torch.load_file(str(tmp_path / "checkpoint-7" / PASSED_STATES))
+    assert saved.keys() == {f"3.{key}" for key in ended.state_dict()}
+    assert all(torch.equal(saved[f"3.{key}"], tensor) for key, tensor in ended.state_dict().items())
+
+    restored = PassedStatesCallback()
+    restored.resume_from(tmp_path / "checkpoint-7", args, Model())
+    assert restored.states is None  # read before training, handed over when it begins
+    restored.on_train_begin(args, TrainerState(), control)
+    assert restored.states.keys() == {3}
+    assert all(torch.equal(restored.states[3].state_dict()[key], tensor) for key, tensor in ended.state_dict().items())
+    restored.resume_from(None, args, Model())
+    restored.on_train_begin(args, TrainerState(), control)
+    assert restored.states is None
+
+    def full_disk(tensors, path):
+        open(path, "wb").write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpointing, "save_file", full_disk)
+    (tmp_path / "checkpoint-8").mkdir()
+    (tmp_path / "checkpoint-8" / "trainer_state.json").write_text("{}")
+    with pytest.raises(OSError, match=re.escape(f"{tmp_path / 'checkpoint-8' / PASSED_STATES}: the disk is full")):
+        callback.on_save(args, TrainerState(global_step=8), control)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-7"]
+
+
+def test_state_passing_is_refused_under_a_hyperparameter_search(tmp_path):
+    """A hyperparameter search writes a trial's checkpoints into a folder the callbacks' events do not name, so the
+    passed states could not be saved beside them: refused when training begins."""
+    from transformers import TrainerControl, TrainerState
+
+    from titans_hf.training.callbacks import PassedStatesCallback
+
+    with pytest.raises(ValueError, match="run the search with state_passing 0"):
+        PassedStatesCallback().on_train_begin(make_args(tmp_path, state_passing=0.5),
+                                              TrainerState(is_hyper_param_search=True), TrainerControl())
+    PassedStatesCallback().on_train_begin(make_args(tmp_path), TrainerState(is_hyper_param_search=True),
+                                          TrainerControl())
+
+
+def test_state_passing_resumed_from_huge_but_finite_states_ends_elsewhere(tiny_qwen3_dir, rows, state_passing_runs,
+                                                                          tmp_path):
+    """Passed states that are finite but that no run ends in (the saved weights x 1e30) are not refused: only states
+    that are not finite or not this memory's are (tests/test_hostile_resume.py), since how large a memory's weights
+    may grow depends on its update rule and its trained initial weights. The resume takes them as they are and trains
+    to its end: its first micro-batch starts from them, so the first loss it logs and the trainable weights it ends
+    with (finite) differ from the uninterrupted run's; it is never silently the uninterrupted run."""
+    full, stopped, _ = state_passing_runs
+    run = shutil.copytree(stopped, tmp_path / "run")
+    states = run / "checkpoint-2" / PASSED_STATES
+    huge = {key: tensor * 1e30 if ".weights." in key or ".batch_start_weights." in key else tensor
+            for key, tensor in safetensors.torch.load_file(str(states)).items()}
+    assert all(bool(torch.isfinite(tensor).all()) for tensor in huge.values())
+    safetensors.torch.save_file(huge, str(states))
+    resumed = make_trainer(tiny_qwen3_dir, run, rows, state_passing=1.0)
+    resumed.train(resume_from_checkpoint=str(run / "checkpoint-2"))
+    assert resumed.state.global_step == 2 * STEPS_PER_EPOCH
+    losses = {entry["step"]: entry["loss"] for entry in full.state.log_history if "loss" in entry}
+    (first,) = [entry["loss"] for entry in resumed.state.log_history if entry.get("step") == 3 and "loss" in entry]
+    assert math.isfinite(first) and first != losses[3]
+    weights = trainable_weights(resumed.model)
+    assert all(bool(torch.isfinite(weight).all()) for weight in weights.values())
+    assert not all(torch.equal(weights[name], weight) for name, weight in trainable_weights(full.model).items())

@@ -7,9 +7,11 @@ gigabytes of a full-model checkpoint (`titans_hf.training.checkpointing`). Every
 launched as a single process or with `accelerate launch --config_file titans_hf/accelerate/*.yaml`. The overrides
 are the Trainer's saving, loading and pushing hooks (`save_model`, `_save`, `_save_checkpoint`,
 `_load_from_checkpoint`, `push_to_hub`, ...) and its sampler hook, each calling the Trainer's own code where it has
-any; the sampler follows the epochs through a callback (`SamplerStateCallback`). `check_trainer_internals` names
-every private member of the Trainer relied on, and fails loudly when a transformers release moves one. A step whose
-loss or gradients are not finite stops the run before anything is saved from it (`FiniteSteps`).
+any; the sampler follows the epochs through a callback (`SamplerStateCallback`), and the memory states State
+Passing carries are saved into each checkpoint and resumed from through another (`PassedStatesCallback`), on the
+Trainer's public events. `check_trainer_internals` names every private member of the Trainer relied on, and fails
+loudly when a transformers release moves one. A step whose loss or gradients are not finite stops the run before
+anything is saved from it (`FiniteSteps`).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from titans_hf.modeling.memory_folder import (
 )
 from titans_hf.outputs import MANIFEST_NAME, read_manifest, record_outputs, unrecorded_reason
 
-from .callbacks import SamplerStateCallback
+from .callbacks import PassedStatesCallback, SamplerStateCallback
 from .checkpointing import (
     TRAINING_ARGS_JSON_NAME,
     check_resume,
@@ -63,10 +65,7 @@ from .checkpointing import (
     last_complete_checkpoint,
     load_memory_checkpoint,
     load_optimizer_state_dict,
-    load_passed_states,
-    passed_states_name,
     refuse_earlier_checkpoints,
-    save_passed_states,
     trainable_parameter_names,
     unreadable_file,
     warn_about_changed_arguments,
@@ -277,11 +276,13 @@ class TitansTrainer(FiniteSteps, CompiledChunks, Trainer):
         if args.state_passing and not hasattr(model, "init_memory_states"):
             raise ValueError("state_passing carries a TitansQwen memory's state from row to row; this model has none")
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
-        self._passed_states: dict[int, MemoryState] | None = None
         self._write_rates: list[torch.Tensor] = []  # the training batches' since the last log
         self._write_cost: float | None = None  # the write cost's weight the last training batch was given
         self._sampler_state = SamplerStateCallback()
         self.add_callback(self._sampler_state)
+        self._passed_states = PassedStatesCallback()
+        # first of the callbacks, so that every other one's on_save finds the checkpoint whole
+        self.callback_handler.callbacks.insert(0, self._passed_states)
 
     # ---- data ----
 
@@ -328,10 +329,10 @@ class TitansTrainer(FiniteSteps, CompiledChunks, Trainer):
         if self.args.state_passing and model.training:
             rows = inputs["input_ids"].shape[0]
             fresh = titans.init_memory_states(rows, inputs["input_ids"].device)
-            starting = passed_memory_states(fresh, self._passed_states, self.args.state_passing)
+            starting = passed_memory_states(fresh, self._passed_states.states, self.args.state_passing)
             loss, outputs = super().compute_loss(model, {**inputs, "memory_states": starting}, True,
                                                  num_items_in_batch)
-            self._passed_states = {layer: state.detach() for layer, state in outputs.memory_states.items()}
+            self._passed_states.states = {layer: state.detach() for layer, state in outputs.memory_states.items()}
         else:
             loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
         write_rate = getattr(outputs, "write_rate", None)
@@ -374,8 +375,8 @@ class TitansTrainer(FiniteSteps, CompiledChunks, Trainer):
         """`Trainer.train`; `resume_from_checkpoint=True` takes the newest *complete* checkpoint (saying which
         incomplete ones it passed over), and an explicit checkpoint that is incomplete is refused, naming why. A
         resume reads and checks, before training, what the checkpoint holds beside the Trainer's files (`check_resume`,
-        the memory states State Passing passes on, the sampler's state). The main process holds the training lock of
-        output_dir for the whole run (`training_lock`)."""
+        the memory states State Passing passes on, `PassedStatesCallback.resume_from`, and the sampler's state). The
+        main process holds the training lock of output_dir for the whole run (`training_lock`)."""
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
         elif resume_from_checkpoint:
@@ -387,34 +388,14 @@ class TitansTrainer(FiniteSteps, CompiledChunks, Trainer):
             check_resume(Path(resume_from_checkpoint), self.args, self.accelerator.unwrap_model(self.model),
                          self.train_dataset, main_process)
             warn_about_changed_arguments(Path(resume_from_checkpoint), self.args, main_process)
-        self._passed_states = self._resumed_passed_states(resume_from_checkpoint) if resume_from_checkpoint else None
+        self._passed_states.resume_from(resume_from_checkpoint or None, self.args,
+                                        self.accelerator.unwrap_model(self.model))
         self._sampler_state.resume_from(resume_from_checkpoint or None)
         with training_lock(self.args.output_dir) if self.is_world_process_zero() else contextlib.nullcontext():
             if not resume_from_checkpoint and self.args.save_strategy != "no":
                 refuse_earlier_checkpoints(self.args.output_dir)
             self._check_final_save_outputs(fresh=not resume_from_checkpoint)
             return super().train(resume_from_checkpoint, *args, **kwargs)
-
-    def _resumed_passed_states(self, checkpoint: str) -> dict[int, MemoryState] | None:
-        """Under State Passing, the memory states the checkpoint's last micro-batch ended in (this process's file
-        beside it), which the resumed run's first micro-batch passes on: read and checked before training, and
-        refused, naming the file, when it is missing, not finite or not this memory's (`load_passed_states`); every
-        process stops when one does. None without State Passing."""
-        if not self.args.state_passing:
-            return None
-        titans = self.accelerator.unwrap_model(self.model)
-        states, problem = None, None
-        try:
-            states = load_passed_states(Path(checkpoint, passed_states_name(self.args)), titans.init_memory_states(1))
-        except ValueError as error:
-            problem = error
-        failed = self.accelerator.reduce(torch.tensor(float(problem is not None), device=self.args.device))
-        if problem is not None:
-            raise ValueError(f"cannot resume from {checkpoint}: {problem}") from problem
-        if failed.item():
-            raise ValueError(f"cannot resume from {checkpoint}: another process's passed memory states are not this "
-                             "run's (its error names the file)")
-        return {layer: state.to(self.args.device) for layer, state in states.items()}
 
     @functools.cached_property
     def _final_save_names(self) -> list[str]:
@@ -496,7 +477,8 @@ class TitansTrainer(FiniteSteps, CompiledChunks, Trainer):
 
     def _save_checkpoint(self, model: nn.Module, trial) -> None:
         """The Trainer's checkpoint plus the sampler's state, into a fresh folder: what a save that was cut short
-        left there is removed first, so none of its files can pass for part of the new checkpoint."""
+        left there is removed first, so none of its files can pass for part of the new checkpoint. (The memory states
+        of State Passing follow, written by `PassedStatesCallback.on_save`.)"""
         folder = Path(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if self.args.should_save:
             if folder.exists():
@@ -504,8 +486,6 @@ class TitansTrainer(FiniteSteps, CompiledChunks, Trainer):
             folder.mkdir(parents=True)
             self._sampler_state.save(folder)
         self.accelerator.wait_for_everyone()
-        if self._passed_states is not None:  # every process its own rows
-            save_passed_states(folder / passed_states_name(self.args), self._passed_states)
         try:
             super()._save_checkpoint(model, trial)
         except OSError as error:
