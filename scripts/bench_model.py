@@ -260,15 +260,16 @@ def bench_prefill(lengths, chunk_size, device, dtype) -> list[dict]:
     return rows
 
 
-def stand_in_models() -> tuple[Qwen3ForCausalLM, TitansQwenForCausalLM]:
+def toy_base_models() -> tuple[Qwen3ForCausalLM, TitansQwenForCausalLM]:
     """The CPU demo's toy Qwen3 base (random weights) and a TitansQwen with the demo's memory settings around it."""
     # imported here: the demo pulls in the data stack (datasets, h5py), which the device run does without
-    from titans_hf.commands.demo_job import MEMORY_SETTINGS, STAND_IN_BASE
+    from titans_hf.commands.demo_job import MEMORY_SETTINGS
+    from titans_hf.tasks.recall.toy_base import TOY_BASE_SHAPE
 
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=96, intermediate_size=2 * STAND_IN_BASE["hidden_size"],
-                         head_dim=STAND_IN_BASE["hidden_size"] // STAND_IN_BASE["num_attention_heads"],
-                         max_position_embeddings=1 << 20, tie_word_embeddings=True, **STAND_IN_BASE)
+    config = Qwen3Config(vocab_size=96, intermediate_size=2 * TOY_BASE_SHAPE["hidden_size"],
+                         head_dim=TOY_BASE_SHAPE["hidden_size"] // TOY_BASE_SHAPE["num_attention_heads"],
+                         max_position_embeddings=1 << 20, tie_word_embeddings=True, **TOY_BASE_SHAPE)
     config._attn_implementation = "sdpa"
     base = Qwen3ForCausalLM(config).eval()
     titans_config = TitansQwenConfig(text_config=base.config, memory_config=dict(chunk_size=32, **MEMORY_SETTINGS))
@@ -287,30 +288,30 @@ def forward_only(model, ids, context=None):
     return run
 
 
-def bench_stand_in(lengths, repeats: int) -> list[dict]:
+def bench_toy_base(lengths, repeats: int) -> list[dict]:
     """The CPU demo's model at batch 1, forward only (what evaluation and the loss over long rows run)."""
-    base, titans = stand_in_models()
+    base, titans = toy_base_models()
     rows = []
     for length in lengths:
         ids = torch.randint(0, base.config.vocab_size, (1, length))
 
-        runs = {"stand-in with memory": forward_only(titans, ids),
+        runs = {"toy base with memory": forward_only(titans, ids),
                 "same chunk loop, memory off": forward_only(titans, ids, titans.memory_disabled),
                 "plain base, full attention": forward_only(base, ids)}
         times = dict(zip(runs, fastest_interleaved(list(runs.values()), torch.device("cpu"), repeats)))
-        rows += [dict(bench="stand_in_forward", model=label, tokens=length, chunk_size=32,
+        rows += [dict(bench="toy_base_forward", model=label, tokens=length, chunk_size=32,
                       tokens_per_s=length / times[label][1],  # of CPU time: steadier on a shared machine
                       seconds=times[label][0], cpu_seconds=times[label][1])
                  for label in runs]
     return rows
 
 
-def bench_compiled_stand_in(length: int, repeats: int, backend: str) -> list[dict]:
+def bench_compiled_toy_base(length: int, repeats: int, backend: str) -> list[dict]:
     """The CPU demo's model at batch 1, forward only, with `compile_chunks(backend=...)` against the eager model (its
     layer-major order, which the demo's chunk-local attention allows) and the eager chunk loop (what is
     compiled). Compile time is the first compiled call's, less an eager chunk-loop call's time; a second call shows
     whether anything compiled again."""
-    base, titans = stand_in_models()
+    base, titans = toy_base_models()
     ids = torch.randint(0, base.config.vocab_size, (1, length))
     eager_loop = forward_only(titans, ids, titans.chunk_by_chunk)
     eager_loop()
@@ -337,7 +338,7 @@ def bench_compiled_stand_in(length: int, repeats: int, backend: str) -> list[dic
             "eager chunk loop": switched(False, eager_loop),
             f"compiled chunk loop ({backend})": switched(True, compiled_forward)}
     times = dict(zip(runs, fastest_interleaved(list(runs.values()), torch.device("cpu"), repeats)))
-    rows = [dict(bench="stand_in_compiled", model=label, tokens=length, chunk_size=32,
+    rows = [dict(bench="toy_base_compiled", model=label, tokens=length, chunk_size=32,
                  tokens_per_s=length / times[label][1], seconds=times[label][0], cpu_seconds=times[label][1])
             for label in runs]
     rows[-1].update(compile_seconds=first[0][0] - loop_wall, compile_cpu_seconds=first[0][1] - loop_cpu,
@@ -398,11 +399,11 @@ def summarise(rows: list[dict], clock: str) -> dict:
                                    compile_seconds=compiled["compile_seconds"])
         elif compiled is not None:
             summary[config].update(compile_error=compiled["compile_error"])
-    compiled = {r["model"]: r for r in rows if r["bench"] == "stand_in_compiled"}
+    compiled = {r["model"]: r for r in rows if r["bench"] == "toy_base_compiled"}
     if compiled:
         eager, loop = compiled["eager (layer-major)"], compiled["eager chunk loop"]
         label, = (label for label in compiled if label.startswith("compiled"))
-        summary[f"stand_in_{eager['tokens']}_tokens_compiled"] = dict(  # tokens/s of CPU time
+        summary[f"toy_base_{eager['tokens']}_tokens_compiled"] = dict(  # tokens/s of CPU time
             compiled_vs_eager=compiled[label]["tokens_per_s"] / eager["tokens_per_s"],
             compiled_vs_eager_chunk_loop=compiled[label]["tokens_per_s"] / loop["tokens_per_s"],
             compile_seconds=compiled[label]["compile_seconds"],
@@ -425,12 +426,12 @@ def summarise(rows: list[dict], clock: str) -> dict:
                                    peak_ratio=r["peak_mb"] / max(first["peak_mb"], 1e-9))
             for r in prefill[1:]
         }
-    for length in sorted({r["tokens"] for r in rows if r["bench"] == "stand_in_forward"}):
-        speed = {r["model"]: r["tokens_per_s"] for r in rows if r["bench"] == "stand_in_forward"
+    for length in sorted({r["tokens"] for r in rows if r["bench"] == "toy_base_forward"}):
+        speed = {r["model"]: r["tokens_per_s"] for r in rows if r["bench"] == "toy_base_forward"
                  and r["tokens"] == length}
         memory_off = speed["same chunk loop, memory off"]
-        summary[f"stand_in_{length}_tokens"] = dict(  # tokens/s of CPU time
-            memory_vs_memory_off=speed["stand-in with memory"] / memory_off,
+        summary[f"toy_base_{length}_tokens"] = dict(  # tokens/s of CPU time
+            memory_vs_memory_off=speed["toy base with memory"] / memory_off,
             memory_off_time_vs_full_attention=speed["plain base, full attention"] / memory_off,
         )
     return summary
@@ -478,7 +479,7 @@ def main() -> None:
                              args.peak_tflops, None if args.compile_backend == "none" else args.compile_backend)
     elif args.compile:
         device = torch.device("cpu")
-        rows += bench_compiled_stand_in(1024, repeats=5, backend=args.compile_backend)
+        rows += bench_compiled_toy_base(1024, repeats=5, backend=args.compile_backend)
         rows += bench_training("tiny", TINY, None, 256, 64, device, torch.float32, repeats=3,
                                compile_backend=args.compile_backend)
     else:
@@ -494,7 +495,7 @@ def main() -> None:
             if "prefill" in parts:
                 rows += bench_prefill((512, 2048, 8192), 512, device, dtype)
             if "demo" in parts:
-                rows += bench_stand_in((1024,), repeats=3)
+                rows += bench_toy_base((1024,), repeats=3)
         else:
             if "train" in parts:
                 rows += bench_training("tiny", TINY, None, 4096, 512, device, dtype, repeats=3)
@@ -504,7 +505,7 @@ def main() -> None:
             if "prefill" in parts:
                 rows += bench_prefill((8192, 32768, 131072) + ((1 << 20,) if args.long else ()), 4096, device, dtype)
             if "demo" in parts:
-                rows += bench_stand_in((1024, 4096), repeats=5)
+                rows += bench_toy_base((1024, 4096), repeats=5)
 
     print_table(rows)
     summary = summarise(rows, "seconds" if device.type == "cuda" else "cpu_seconds")

@@ -57,11 +57,11 @@ def make_row(rng: random.Random, filler_tokens: int) -> tuple[str, str]:
     return f"the key is {word} . " + " ".join(filler) + " . the key was", word
 
 
-def build_stand_in(work: Path, pretrain_steps: int) -> tuple[Path, AutoTokenizer]:
+def build_toy_base(work: Path, pretrain_steps: int) -> tuple[Path, AutoTokenizer]:
     """A tiny Qwen3 (hidden 64, 2 layers) pretrained as a plain LM on filler prose and facts, saved, then frozen."""
     rng = random.Random(1)
     corpus = [make_row(rng, 40)[0] + f" {w}" for w in WORDS for _ in range(50)] + [" ".join(FILLER)] * 50
-    folder = work / "stand_in"
+    folder = work / "toy_base"
     tokenizer = build_tokenizer(corpus, folder, vocab_size=512)
     model = build_qwen(folder, vocab_size=len(tokenizer), family="qwen3")
     pretrain_causal_lm(model, tokenizer, corpus, folder, steps=pretrain_steps, batch_size=16, max_tokens=64,
@@ -158,7 +158,7 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="bench_preference_"))
     work.mkdir(parents=True, exist_ok=True)
 
-    base, tokenizer = build_stand_in(work, args.pretrain_steps)
+    base, tokenizer = build_toy_base(work, args.pretrain_steps)
     filler_tokens = args.chunks * CHUNK - 12  # fact and question take about 12 tokens
     rng = random.Random(args.seed)
     train_rows = [make_row(rng, filler_tokens) for _ in range(args.train_rows)]

@@ -191,7 +191,7 @@ def test_rows_are_exactly_max_length_with_only_the_answer_labelled(tokenizer):
 
 
 def test_a_tokenizer_left_truncating_by_an_earlier_call_still_builds_whole_rows(tiny_tokenizer_dir, tokenizer):
-    """A call with truncation=True leaves the backend truncating (as the demo's stand-in pretraining once did, which
+    """A call with truncation=True leaves the backend truncating (as the CPU demo's toy base pretraining once did, which
     crashed every row longer than its 159 tokens): generation and example building must not see that state."""
     clean_rows = generate_babilong("qa1", 3, 600, tokenizer, seed=5)
     clean = [build_example(row, tokenizer, max_length=700, answer_reserve_tokens=8) for row in clean_rows]

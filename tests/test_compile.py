@@ -1,7 +1,7 @@
 """`compile_chunks()`: the chunk step under torch.compile(fullgraph=True) equals the eager model.
 
 The suite compiles with the `aot_eager` backend: dynamo's trace and AOTAutograd's forward / backward split, the path
-inductor takes, without inductor's code generation (31-46 s for the demo's stand-in, forward only, on the 2-core CPU;
+inductor takes, without inductor's code generation (31-46 s for the CPU demo's model, forward only, on a 2-core CPU;
 `scripts/bench_model.py --compile` measures it). `fullgraph=True` turns any graph break into an error, so a break
 fails these tests. Each test starts from an empty compile cache (`torch.compiler.reset()`), so what it counts is its
 own."""

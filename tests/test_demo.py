@@ -24,6 +24,7 @@ from titans_hf.tasks.babilong import ACTORS, LOCATIONS, MOVE_VERBS, OBJECTS, gen
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import check_demo_goal  # noqa: E402
+import recall_report  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -273,6 +274,10 @@ def test_the_goal_check_reads_a_demo_folder_or_results_file_and_leaves_it_unchan
      "details.qa1.128: memory.exact_match 1.5 is not an accuracy"),
     (json.dumps({"chunk_size": 32, "details": {"qa1": {"96": goal_cell(1.0, 0.2)}}}),
      "no evaluated length of 4 chunks or more"),
+    ("[]", "not a recall summary"),
+    (json.dumps([{"recalled_ratio": 0.1}]), "run 0 is not an object with the run's name"),
+    (json.dumps([{"run": "m", "recalled_memory": 0.4, "recalled_no_memory": 4.0, "recalled_ratio": 0.1}]),
+     "run 'm': first_chunk_change None is not a number"),
 ])
 def test_the_goal_check_refuses_results_it_cannot_check_naming_the_file(tmp_path, capsys, content, message):
     path = tmp_path / "results.json"
@@ -282,6 +287,64 @@ def test_the_goal_check_refuses_results_it_cannot_check_naming_the_file(tmp_path
         check_demo_goal.main([str(path)])
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert exit_.value.code == 2 and str(path) in error and message in error
+
+
+def lm_results(losses: dict[str, list[float]]) -> dict:
+    """An lm_results.json of `titans-hf eval --lm` over chunks of 32 tokens, 10 tokens a chunk: `losses` per chunk,
+    memory and no_memory; the chunk starts' loss is that of the chunks after the first."""
+    results = {"chunk_size": 32, "boundary_tokens": 8}
+    for mode, per_chunk in losses.items():
+        results[mode] = {"loss": per_chunk, "tokens": [10] * len(per_chunk), "loss_first_chunk": per_chunk[0],
+                         "loss_after_first_chunk": sum(per_chunk[1:]) / len(per_chunk[1:]),
+                         "loss_chunk_starts": sum(per_chunk[1:]) / len(per_chunk[1:])}
+    on, off = results["memory"], results["no_memory"]
+    results["ratio"] = {"first_chunk": on["loss_first_chunk"] / off["loss_first_chunk"],
+                        "after_first_chunk": on["loss_after_first_chunk"] / off["loss_after_first_chunk"]}
+    return results
+
+
+def write_recall_run(run: Path, attend_previous_chunk: bool, recalled: dict, every: dict) -> None:
+    """A trained memory's folder as scripts/recall.sh leaves it: its config and the two `eval --lm` results."""
+    for name, losses in (("lm_recalled_values", recalled), ("lm_all_tokens", every)):
+        (run / name).mkdir(parents=True)
+        (run / name / "lm_results.json").write_text(json.dumps(lm_results(losses)))
+    (run / "memory_config.json").write_text(json.dumps({"attend_previous_chunk": attend_previous_chunk}))
+
+
+def test_the_recall_report_prints_losses_only_and_the_goal_check_reads_its_summary(tmp_path, capsys):
+    # recalled values: 2.0 / 4.0 = 0.5 and 0.4 / 4.0 = 0.1; first chunk: 1.3 / 1.25 = +4 % and 1.2 / 1.25 = -4 %
+    write_recall_run(tmp_path / "local", False, {"memory": [2.0, 2.0], "no_memory": [4.0, 4.0]},
+                     {"memory": [1.3, 1.0], "no_memory": [1.25, 1.5]})
+    write_recall_run(tmp_path / "memory", True, {"memory": [0.4, 0.4], "no_memory": [4.0, 4.0]},
+                     {"memory": [1.2, 0.9], "no_memory": [1.25, 1.5]})
+    assert recall_report.main([str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "goal" not in printed.lower() and "met" not in printed.split()  # thresholds are the project's checks
+    table = printed.splitlines()
+    assert table[1].split()[:2] == ["local", "chunk-local"] and "+4.00%" in table[1].split()
+    summary = json.loads((tmp_path / "recall_summary.json").read_text())
+    assert [row["run"] for row in summary] == ["local", "memory"]
+    assert not [key for row in summary for key in row if "goal" in key]
+    before = {path: file_sha256(path) for path in tmp_path.rglob("*.json")}
+
+    assert check_demo_goal.main([str(tmp_path)]) == 1  # the folder: its recall_summary.json
+    assert capsys.readouterr().out.splitlines() == [
+        "local: recalled values 2.000 with memory, 4.000 off, ratio 0.500 (goal <= 0.6); first chunk +4.00% against "
+        "memory off (goal <= +2%): NOT met",
+        "memory: recalled values 0.400 with memory, 4.000 off, ratio 0.100 (goal <= 0.6); first chunk -4.00% against "
+        "memory off (goal <= +2%): met"]
+    assert check_demo_goal.main([str(tmp_path / "recall_summary.json")]) == 1
+    assert capsys.readouterr().out.splitlines()[1].endswith(": met")
+    assert {path: file_sha256(path) for path in tmp_path.rglob("*.json")} == before
+
+
+def test_recall_goal_report_needs_both_the_ratio_and_the_first_chunk():
+    def row(ratio, change):
+        return {"run": "m", "recalled_memory": ratio, "recalled_no_memory": 1.0, "recalled_ratio": ratio,
+                "first_chunk_change": change}
+
+    lines = check_demo_goal.recall_goal_report([row(0.59, 0.019), row(0.61, 0.0), row(0.1, 0.021), row(0.5, -0.3)])
+    assert [line.rsplit(": ", 1)[1] for line in lines] == ["met", "NOT met", "NOT met", "met"]
 
 
 def test_the_demo_command_prints_accuracy_with_and_without_memory_and_no_goal(tiny_qwen3_dir, tmp_path, capsys):

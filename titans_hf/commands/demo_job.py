@@ -52,6 +52,7 @@ from titans_hf.tasks.babilong.evaluation import (
     evaluate_babilong,
     load_model_for_eval,
 )
+from titans_hf.tasks.recall.toy_base import TOY_BASE_SHAPE
 from titans_hf.testing_utils import build_qwen, build_tokenizer, mean_embedding_cosine, pretrain_causal_lm
 from titans_hf.training.recipe import (
     DataArguments,
@@ -72,8 +73,6 @@ RUN_INFO_NAME = "run.json"
 # Stage a's BABILong rows: bare stories and stories in a haystack of this many chunks (its rows are cut to 160 tokens:
 # a longer haystack would only cut more stories short; qa2 and qa3 stories need 4)
 PRETRAIN_HAYSTACK_CHUNKS = {"qa1": 3, "qa2": 4, "qa3": 4}
-# The toy base: big enough to learn the domain's language, small enough for minutes of CPU.
-STAND_IN_BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 # Memory settings of the recipe; variant, layer and depth are TitansQwenConfig's defaults (mag on the middle layer,
 # depth 1), chosen with scripts/bench_frozen.py. See docs/frozen_base.md.
 MEMORY_SETTINGS = dict(
@@ -193,7 +192,7 @@ def pretrain_base(
 
     Rows are at most `max_tokens` long, so the base learns positions a few chunks long."""
     model = build_qwen(base_dir, vocab_size=len(tokenizer), family="qwen3", seed=seed,
-                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **STAND_IN_BASE)
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **TOY_BASE_SHAPE)
     # about one row in two a document, the rest BABILong rows with their answers (`haystack_lengths`: bare stories
     # and stories in a short haystack)
     rows_needed = steps * batch_size
@@ -207,7 +206,7 @@ def pretrain_base(
                                 learning_rate=learning_rate, max_tokens=max_tokens, seed=seed,
                                 show_progress=show_progress)
     return {"steps": steps, "documents": len(documents), "final_loss": losses[-1],
-            "shape": STAND_IN_BASE, "entity_share": entity_share,
+            "shape": TOY_BASE_SHAPE, "entity_share": entity_share,
             "embedding_similarity": embedding_similarity(model, tokenizer)}
 
 

@@ -28,7 +28,7 @@ from titans_hf.tasks.recall import (
     write_recall_jsonl,
 )
 from titans_hf.tasks.recall.files import check_store_output, write_recall_eval_store
-from titans_hf.tasks.recall.stand_in import pretrain_stand_in
+from titans_hf.tasks.recall.toy_base import pretrain_toy_base
 
 from .arguments import length, local_or_hub
 
@@ -174,7 +174,7 @@ def toy_base_command(args: argparse.Namespace) -> int:
     scratch = Path(tempfile.mkdtemp(prefix=f".{short_name(output.name)}.partial-", dir=output.parent))
     try:
         give_umask_permissions(scratch)
-        done = pretrain_stand_in(scratch, corpus_settings(args), steps=args.steps, batch_size=args.batch_size,
+        done = pretrain_toy_base(scratch, corpus_settings(args), steps=args.steps, batch_size=args.batch_size,
                                  learning_rate=args.learning_rate, seed=args.seed)
         (scratch / PRETRAINING_NAME).write_text(json.dumps(done, indent=2) + "\n")
         record_folder(scratch, "titans-hf recall toy-base")

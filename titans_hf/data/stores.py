@@ -13,7 +13,8 @@ Layouts (both hold the same information):
 - `.h5`: one group per key holding datasets `"0"`, `"1"`, ... (one per segment), with `min`, `max`
   and `sha256` as the group's attributes; the metadata fields other than `keys` are file attributes.
 
-What each key records (stores written before these fields existed have none of them and still open):
+What each key records (a store whose keys record none of these fields, written by hand or by another tool, still
+opens):
 - `min`, `max`: the range of its values (null for an empty key), checked at open against what the
   key may hold (`ValueRule`): token ids in `[0, vocab_size - 1]` and below 2**31 (Arrow and torch
   hold ids as int32, where a larger uint32 id would wrap negative), masks 0 or 1, rewards finite and within
@@ -22,15 +23,15 @@ What each key records (stores written before these fields existed have none of t
   cache key holds it, so a store rewritten with the same sizes and mtimes is still a new input.
 
 Float keys (rewards: one value per response, a small part of any store) are also scanned whole at open, so a
-reward that a store written by hand or by an older version holds beyond its rule is named, with its record, before
+reward that a store written by hand or by another tool holds beyond its rule is named, with its record, before
 any row is built (inside the datasets builder, an error at a row's read would reach the user wrapped).
 
 Beyond the recorded range, every read checks the values it returns against it (or, for a store
 that records none, against the key's `ValueRule`): a store whose data contradicts its metadata,
-or an older store holding ids its vocabulary does not have, fails at the first read that touches
-them instead of training on wrong ids. The check (a min and max of the window) costs about what copying
-the window out does, so it is on every read; `value_range` scans a key that records no range
-once, through `np.memmap`.
+or one that records no range and holds ids its vocabulary does not have, fails at the first read
+that touches them instead of training on wrong ids. The check (a min and max of the window) costs
+about what copying the window out does, so it is on every read; `value_range` scans a key that
+records no range once, through `np.memmap`.
 
 A store stays inside itself: key names are plain names (`KEY_NAME`), `.bin` files and `meta.json`
 that are links to files outside the store directory are refused, and so are HDF5 soft and external

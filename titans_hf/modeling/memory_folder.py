@@ -12,7 +12,7 @@ A memory folder holds exactly
   tells the memory's parameters from the base's and a LoRA's);
 - `config.json`: the model's config (`model_type: titans_qwen`, the base's config and the memory settings), so that
   `AutoConfig` and `AutoModelForCausalLM` / `pipeline` dispatch to the model class, which then loads as above
-  (folders written before it existed load without it);
+  (`TitansQwenForCausalLM.from_pretrained` loads a folder without it, from `memory_config.json` and the weights);
 - with a LoRA adapter of the base trained beside the memory (`titans_hf.lora`): PEFT's `adapter_config.json` and
   `adapter_model.safetensors`, in PEFT's format;
 - `README.md` on the Hub: a model card (`titans_hf.hub`).
@@ -260,8 +260,8 @@ def recorded_base(base: str | None, fingerprint: str | None, source: str) -> str
     """The base a memory's config names (`base`, its `base_model_name_or_path`, and `fingerprint`, its
     `base_fingerprint`), checked to be the same model wherever the memory is loaded from: a local base is recorded by
     its absolute path, and must still be there with the fingerprint recorded (else another model would be used
-    silently); a relative path that exists here (recorded by an older version, or a Hub id shadowed by a local
-    folder) is refused, since it resolves to whatever folder lies at it from here.
+    silently); a relative path that exists here (a config edited by hand, or a Hub id shadowed by a local folder) is
+    refused, since it resolves to whatever folder lies at it from here.
 
     A local base whose config records no fingerprint is refused, naming the memory's memory_config.json and the
     field: `from_base` records one for every local base, so a config without one was edited, and would load on any
@@ -334,7 +334,7 @@ def optional_hub_file(name_or_path: str | os.PathLike, filename: str, revision: 
                       local_files_only: bool = False) -> Path | None:
     """`hub_file`, or None where the folder or repository has no such file: the Hub says so, or offline, the cache
     recorded that it has none. Offline with nothing cached about the file, a warning says so and the file counts as
-    absent (a repository downloaded by an older titans_hf never asked for it)."""
+    absent (the download that filled the cache may not have asked for it)."""
     folder = Path(name_or_path)
     if folder.is_dir():
         return folder / filename if (folder / filename).is_file() else None

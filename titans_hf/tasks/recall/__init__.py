@@ -3,7 +3,7 @@ Tamsin.") are needed many chunks later ("Orlen saddled Tamsin ..."), the corpus 
 
 `generate` writes the documents (seeded, offline) with the character spans of each statement and of each recalled
 value; `files` writes them as `.jsonl` for `titans-hf prepare` and builds an `sft`-type evaluation store whose
-loss mask marks the tokens that depend on an earlier statement; `stand_in` pretrains a toy Qwen3 base, the
+loss mask marks the tokens that depend on an earlier statement; `toy_base` pretrains a toy Qwen3 base, the
 offline base of `scripts/recall.sh`.
 """
 

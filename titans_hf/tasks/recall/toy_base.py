@@ -22,10 +22,12 @@ from titans_hf.testing_utils import build_qwen, build_tokenizer, mean_embedding_
 
 from .generate import generate_recall, glossary_document, people_pool, value_pool
 
-STAND_IN_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+# The toy base's shape (the CPU demo's and the recall recipe's): big enough to learn the domain's language, small
+# enough for minutes of CPU.
+TOY_BASE_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
-def stand_in_documents(
+def toy_base_documents(
     num_documents: int,
     tokenizer,
     corpus: dict[str, Any],
@@ -39,7 +41,7 @@ def stand_in_documents(
     `tokenizer`). `corpus`: the long documents' settings (`pool`, `people`, `num_people`, `echo_rate`, ...), whose
     names, people and sentence forms the stage-a text shares."""
     if not (0 <= copy_share and 0 <= glossary_share and copy_share + glossary_share <= 1):
-        raise ValueError(f"stand_in_documents: copy_share={copy_share} and glossary_share={glossary_share} must be "
+        raise ValueError(f"toy_base_documents: copy_share={copy_share} and glossary_share={glossary_share} must be "
                          ">= 0 and sum to at most 1")
     shared = {key: corpus[key] for key in ("pool", "people", "echo_rate") if key in corpus}
     copies = round(copy_share * num_documents)
@@ -67,7 +69,7 @@ def build_recall_tokenizer(out_dir: str | Path, corpus: dict[str, Any], vocab_si
     return build_tokenizer(sample, out_dir, vocab_size=vocab_size)
 
 
-def pretrain_stand_in(
+def pretrain_toy_base(
     out_dir: str | Path,
     corpus: dict[str, Any],
     steps: int = 1200,
@@ -78,16 +80,16 @@ def pretrain_stand_in(
     show_progress: bool = True,
     **text_settings: Any,
 ) -> dict[str, Any]:
-    """Stage a: tokenizer, then a small Qwen3 (`STAND_IN_SHAPE`) trained on `steps * batch_size` stage-a documents
-    (`text_settings` go to `stand_in_documents`), saved with its tokenizer as a plain Qwen folder in `out_dir`.
+    """Stage a: tokenizer, then a small Qwen3 (`TOY_BASE_SHAPE`) trained on `steps * batch_size` stage-a documents
+    (`text_settings` go to `toy_base_documents`), saved with its tokenizer as a plain Qwen folder in `out_dir`.
     Returns what was done."""
     out_dir = Path(out_dir)
     tokenizer = build_recall_tokenizer(out_dir, corpus, vocab_size=vocab_size, seed=seed)
-    documents = stand_in_documents(steps * batch_size, tokenizer, corpus, seed=seed, **text_settings)
+    documents = toy_base_documents(steps * batch_size, tokenizer, corpus, seed=seed, **text_settings)
     model = build_qwen(out_dir, vocab_size=len(tokenizer), family="qwen3", seed=seed,
-                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **STAND_IN_SHAPE)
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **TOY_BASE_SHAPE)
     losses = pretrain_causal_lm(model, tokenizer, documents, out_dir, steps, batch_size=batch_size,
                                 learning_rate=learning_rate, seed=seed, show_progress=show_progress)
     pool = list(corpus.get("pool") or value_pool())
-    return {"steps": steps, "documents": len(documents), "final_loss": losses[-1], "shape": STAND_IN_SHAPE,
+    return {"steps": steps, "documents": len(documents), "final_loss": losses[-1], "shape": TOY_BASE_SHAPE,
             "vocab_size": len(tokenizer), "value_embedding_cosine": mean_embedding_cosine(model, tokenizer, pool)}
