@@ -1,8 +1,10 @@
 """`titans-hf demo --output-dir D` writes its outputs into D in place (`outputs.writing_folder`): a file a user puts
 into D while the demo runs stays the user's. A failed run removes only what it wrote (and puts an earlier run's
-outputs back); a successful one records only its own files, so a later `--overwrite` keeps the user's file too.
+outputs back); a successful one records only its own files, so a later `--overwrite` keeps the user's file too. The
+folders the demo writes into D (data/, memory/) are the demo's whole: a file put inside one while it runs cannot be
+told from the demo's own, so it goes with the folder on failure and is recorded as the demo's on success.
 
-The demo runs for real on the tiny local Qwen3 (`--model`, so no stand-in is pretrained), with its base's in-context
+The demo runs for real on the tiny local Qwen3 (`--model`, so no toy base is pretrained), with its base's in-context
 accuracy (a stage that only reports) replaced by a fixed answer; a failure is a training stage that raises."""
 
 from __future__ import annotations
@@ -44,6 +46,14 @@ def failing_training(model_args, memory_args, data_args, training_args):
     raise RuntimeError("training stopped")
 
 
+def training_after_a_file_put_into_data(train):
+    """`train`, after a user's file appears in the folder of the training files (data/) the demo is writing."""
+    def stage(model_args, memory_args, data_args, training_args):
+        (Path(data_args.data_files[0]).parent / "notes.txt").write_bytes(USER_BYTES)
+        return train(model_args, memory_args, data_args, training_args)
+    return stage
+
+
 def small_demo(output: Path, model_dir: Path, overwrite: bool = False) -> dict:
     return demo_job.run_demo(output_dir=output, model=str(model_dir), train_chunks=(0, 3), eval_chunks=(3,),
                              num_train_samples=8, num_eval_samples=2, batch_size=4, max_steps=1, overwrite=overwrite,
@@ -56,10 +66,11 @@ def test_a_failed_demo_removes_what_it_wrote_and_keeps_a_file_put_there_meanwhil
     notes = output / "notes.txt"
     model_before = checksums(tiny_qwen3_dir)
     monkeypatch.setattr(demo_job, "base_accuracy", base_accuracy_dropping(notes))
-    monkeypatch.setattr(demo_job, "train_memory", failing_training)
+    monkeypatch.setattr(demo_job, "train_memory", training_after_a_file_put_into_data(failing_training))
     with pytest.raises(RuntimeError, match="training stopped"):
         small_demo(output, tiny_qwen3_dir)
-    # the BABILong files it wrote before training are gone; the user's file is there, as it was put
+    # the BABILong files it wrote before training are gone, with the file put among them (data/ is the demo's
+    # whole); the user's file beside the outputs is there, as it was put
     assert sorted(path.name for path in output.iterdir()) == ["notes.txt"]
     assert notes.read_bytes() == USER_BYTES
     assert sorted(path.name for path in tmp_path.iterdir()) == ["demo"]
@@ -71,11 +82,15 @@ def test_a_file_put_into_the_folder_during_a_demo_stays_the_users_through_later_
     output = tmp_path / "demo"
     notes = output / "notes.txt"
     monkeypatch.setattr(demo_job, "base_accuracy", base_accuracy_dropping(notes))
-    small_demo(output, tiny_qwen3_dir)
+    with monkeypatch.context() as patch:
+        patch.setattr(demo_job, "train_memory", training_after_a_file_put_into_data(demo_job.train_memory))
+        small_demo(output, tiny_qwen3_dir)
     assert notes.read_bytes() == USER_BYTES
     recorded = manifest_files(output)
-    # the manifest lists every file the demo wrote and not the user's
+    # the manifest lists every file the demo wrote and not the user's beside them; one put into data/ while the
+    # demo wrote it is the demo's
     assert "notes.txt" not in recorded and {"run.json", "results.json", "memory/memory_model.safetensors"} <= recorded
+    assert "data/qa1/notes.txt" in recorded
     assert recorded == set(checksums(output)) - {"notes.txt", MANIFEST_NAME}
     first = checksums(output)
 

@@ -98,6 +98,68 @@ def test_a_folder_written_in_place_replaces_only_its_own_kind_and_a_failure_puts
     assert empty.is_dir() and not any(empty.iterdir())
 
 
+def test_a_subfolder_written_in_place_is_the_commands_whole_a_file_beside_it_the_users(tmp_path):
+    """A file put inside an output subfolder while the command writes it cannot be told from the command's own: a
+    success records it as the command's (a later overwrite replaces it), a failure removes the subfolder whole; the
+    user's file put beside the outputs is kept, bytes unchanged, and never recorded."""
+    folder, outputs = tmp_path / "demo", ["memory", "run.json"]
+    beside = folder / "notes.txt"
+
+    def write_memory(output: Path) -> None:
+        (output / "memory").mkdir()
+        (output / "memory" / "weights.bin").write_bytes(b"weights")
+        (output / "memory" / "notes.txt").write_bytes(b"mine, inside\n")  # a user's, while the command runs
+
+    with writing_folder(folder, overwrite=False, command="titans-hf demo", outputs=outputs) as output:
+        write_memory(output)
+        beside.write_bytes(b"mine, beside\n")
+    mine = checksums(folder)["notes.txt"]
+    assert sorted(json.loads((folder / MANIFEST_NAME).read_text())["files"]) == ["memory/notes.txt",
+                                                                                  "memory/weights.bin"]
+    first = checksums(folder)
+
+    with pytest.raises(RuntimeError, match="cut short"):
+        with writing_folder(folder, overwrite=True, command="titans-hf demo", outputs=outputs) as output:
+            write_memory(output)
+            (output / "memory" / "notes.txt").write_bytes(b"mine, inside, again\n")
+            raise RuntimeError("cut short")
+    assert checksums(folder) == first  # the failed run's subfolder went whole, the earlier one came back
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["demo"]
+
+    with writing_folder(folder, overwrite=True, command="titans-hf demo", outputs=outputs) as output:
+        (output / "run.json").write_text("{}")
+    assert sorted(checksums(folder)) == [MANIFEST_NAME, "notes.txt", "run.json"]
+    assert checksums(folder)["notes.txt"] == mine
+
+
+def test_a_link_put_inside_an_output_subfolder_is_left_unrecorded_and_the_finished_outputs_kept(tmp_path, caplog):
+    """A link (or FIFO) under an output subfolder is nothing the command writes: it is not recorded, a warning names
+    it, the finished outputs stay (not removed as a failure), the file it points to is untouched, and a later
+    overwrite refuses the folder until the link is removed."""
+    target = tmp_path / "mine.txt"
+    target.write_bytes(b"mine\n")
+    before = checksums(tmp_path)
+    folder = tmp_path / "demo"
+    with caplog.at_level("WARNING", logger="titans_hf.outputs"):
+        with writing_folder(folder, overwrite=False, command="titans-hf demo", outputs=["memory"]) as output:
+            (output / "memory").mkdir()
+            (output / "memory" / "weights.bin").write_bytes(b"weights")
+            (output / "memory" / "link").symlink_to(target)
+            os.mkfifo(output / "memory" / "fifo")
+    assert (folder / "memory" / "weights.bin").read_bytes() == b"weights" and (folder / "memory" / "link").is_symlink()
+    assert sorted(json.loads((folder / MANIFEST_NAME).read_text())["files"]) == ["memory/weights.bin"]
+    warned = sorted(record.getMessage() for record in caplog.records)
+    assert len(warned) == 2 and all("not a plain file or folder, so not an output of titans-hf demo" in message
+                                    for message in warned)
+    assert warned[0].startswith(f"{folder / 'memory' / 'fifo'}: ")
+    assert warned[1].startswith(f"{folder / 'memory' / 'link'}: ")
+    with pytest.raises(FileExistsError, match=r"will not replace it, even with --overwrite: .*memory/(fifo|link) is "
+                       "not a plain file or folder"):
+        with writing_folder(folder, overwrite=True, command="titans-hf demo", outputs=["memory"]):
+            raise AssertionError("refused before the block runs")
+    assert checksums(tmp_path)["mine.txt"] == before["mine.txt"]
+
+
 def test_the_demo_refuses_a_users_folder_before_any_work(tmp_path):
     folder = user_project(tmp_path / "project")
     before = checksums(folder)

@@ -1,7 +1,12 @@
 """Hostile LoRA + memory folders through PEFT's `AutoPeftModelForCausalLM`, which loads whatever model the folder's
 adapter_config.json names: a copied folder, a moved one and an edited config load the folder given (the logits of
 `TitansQwenForCausalLM.from_pretrained` on it) or are refused naming both folders; broken adapter weights are refused
-naming the file and the tensor. Every folder handed in is checksummed before and after."""
+naming the file and the tensor. Every folder handed in is checksummed before and after.
+
+Two routes run no titans_hf code at all, so titans_hf can neither check nor refuse them, and the tests pin what PEFT
+and transformers do there: a config edited to name the bare base (PEFT loads that plain model and puts the LoRA on
+it, as `PeftModel.from_pretrained` on the plain base does: no memory), and a moved folder whose old place is empty
+(transformers fails on the old path)."""
 
 from __future__ import annotations
 
@@ -14,12 +19,18 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from peft import AutoPeftModelForCausalLM
+from peft import AutoPeftModelForCausalLM, PeftModel
 from test_peft import lora_model
+from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
 from titans_hf.lora import check_auto_peft_base
 from titans_hf.modeling import TitansQwenForCausalLM
-from titans_hf.modeling.memory_folder import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, MEMORY_WEIGHTS_NAME
+from titans_hf.modeling.memory_folder import (
+    ADAPTER_CONFIG_NAME,
+    ADAPTER_WEIGHTS_NAME,
+    MEMORY_WEIGHTS_NAME,
+    is_memory_name,
+)
 
 IDS = torch.randint(1, 200, (2, 40), generator=torch.Generator().manual_seed(0))
 
@@ -86,7 +97,8 @@ def test_a_copied_folder_whose_memory_was_retrained_is_refused_naming_both(tiny_
 
 def test_a_moved_folder_is_refused_naming_both_or_fails_naming_the_old_place(tiny_qwen3_dir, tmp_path):
     """Moved away, the folder's adapter_config.json names its old place: another folder saved there since is
-    refused, naming both; an empty place is transformers' error naming it."""
+    refused, naming both; an empty place is transformers' error naming it (its config is looked up there before any
+    model class, titans_hf's included, is chosen)."""
     old_place = save(tiny_qwen3_dir, tmp_path / "run", seed=1)
     moved = tmp_path / "moved"
     shutil.move(old_place, moved)
@@ -140,6 +152,46 @@ def test_broken_adapter_weights_are_refused_through_auto_peft_naming_the_file_an
     with pytest.raises(FileNotFoundError, match=ADAPTER_WEIGHTS_NAME):
         auto_peft(folder)
     assert checksums(folder) == before
+
+
+def test_nan_adapter_weights_in_a_copy_naming_a_clean_folder_are_refused_naming_both(tiny_qwen3_dir, tmp_path):
+    """A copy whose adapter weights hold NaN, its adapter_config.json naming the clean folder it was copied from:
+    refused naming both before any of its weights load (the clean folder's adapter and memory are not this folder's);
+    the copy's own loader refuses the NaN naming the file; the clean folder still loads whole."""
+    clean = save(tiny_qwen3_dir, tmp_path / "clean", seed=1)
+    copy = tmp_path / "copy"
+    shutil.copytree(clean, copy)
+    weights = safetensors.torch.load_file(copy / ADAPTER_WEIGHTS_NAME)
+    key = sorted(weights)[-1]
+    safetensors.torch.save_file({**weights, key: torch.full_like(weights[key], float("nan"))},
+                                copy / ADAPTER_WEIGHTS_NAME)
+    before = checksums(clean, copy)
+    refused_naming_both(copy, clean)
+    with pytest.raises(ValueError, match=rf"^{copy / ADAPTER_WEIGHTS_NAME}: {key} holds NaN or infinite values"):
+        TitansQwenForCausalLM.from_pretrained(copy)
+    assert checksums(clean, copy) == before
+    assert torch.equal(logits(auto_peft(clean)), logits(TitansQwenForCausalLM.from_pretrained(clean)))
+
+
+def test_an_adapter_config_edited_to_name_the_bare_base_is_peft_s_plain_route_without_the_memory(tiny_qwen3_dir,
+                                                                                                 tmp_path):
+    """An adapter_config.json edited to name the bare base: PEFT loads that plain Qwen (transformers' own class, no
+    titans_hf code) and puts the LoRA on it, exactly as `PeftModel.from_pretrained(<the plain base>, folder)` does:
+    no memory, and the adapter's weights go unchecked. The base's modules keep a plain Qwen's names inside a
+    TitansQwen, so nothing in the adapter's files can make it refuse; titans_hf's own loader ignores the field and
+    loads the folder's memory and adapter."""
+    folder = save(tiny_qwen3_dir, tmp_path / "edited", seed=1)
+    values = json.loads((folder / ADAPTER_CONFIG_NAME).read_text())
+    (folder / ADAPTER_CONFIG_NAME).write_text(json.dumps({**values, "base_model_name_or_path": str(tiny_qwen3_dir)}))
+    before = checksums(folder, tiny_qwen3_dir)
+    loaded = auto_peft(folder)
+    plain = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir), folder)
+    assert type(loaded.base_model.model) is type(plain.base_model.model) is Qwen3ForCausalLM
+    assert not any(is_memory_name(name) for name, _ in loaded.named_parameters())
+    assert torch.equal(logits(loaded), logits(plain))
+    whole = TitansQwenForCausalLM.from_pretrained(folder)
+    assert not torch.allclose(logits(whole), logits(loaded), atol=1e-3)
+    assert checksums(folder, tiny_qwen3_dir) == before
 
 
 @pytest.mark.parametrize("adapter, adapter_revision, model, model_revision, same", [

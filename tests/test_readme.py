@@ -4,7 +4,8 @@ document set: `Qwen/Qwen2.5-0.5B` is a tiny Qwen3 with a tiny tokenizer served b
 snapshot of published BABILong parquet).
 
 Some blocks are run elsewhere or otherwise: the install block is what scripts/setup_env.sh runs (scripts/test.sh and
-scripts/demo.sh source it), checked here against setup.cfg's pins; the quick start runs the main job
+scripts/demo.sh source it), checked here against setup.cfg's pins and against setup_env.sh's pip calls (recorded, not
+run) with and without the torch index the quick start names; the quick start runs the CPU demo
 (scripts/demo.sh) and this very suite (scripts/test.sh), which CI runs through .ci/run; the recall recipe's block
 (scripts/recall.sh, minutes) runs as written, on tiny sizes, in test_recall_recipe.py; the block marked for GPUs runs
 here on two CPU processes at tiny sizes (ON_CPU: each replacement applies exactly once, so the block and its CPU run
@@ -35,6 +36,7 @@ from titans_hf.testing_utils import build_qwen
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+SETUP_ENV = ROOT / "scripts" / "setup_env.sh"
 # the usage pages, in the order their blocks run (each page reads what the pages before it made)
 DOCS_PAGES = tuple(ROOT / "docs" / name for name in ("data.md", "model.md", "training.md", "evaluation.md",
                                                       "memory.md"))
@@ -112,11 +114,49 @@ def test_the_readme_shows_runnable_blocks_and_the_quick_start():
     assert not {name for name in every_page - unrun if code_blocks(ROOT / "docs" / name)} - {p.name for p in DOCS_PAGES}
 
 
-def test_the_install_block_is_what_setup_env_installs():
+def readme_section(title: str) -> str:
+    """The text of README.md's `## title` section, up to the next one."""
+    return README.read_text(encoding="utf-8").split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def setup_env_pip_calls(tmp_path: Path, env: dict[str, str], pip_fails: bool = False) -> tuple[int, list[str], str]:
+    """(exit status, each pip call's arguments, stderr) of scripts/setup_env.sh run in a copy of the repository
+    whose .venv/bin/python records its arguments (and fails each call with `pip_fails`) instead of installing."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "scripts" / "setup_env.sh").write_bytes(SETUP_ENV.read_bytes())
+    python = repo / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/usr/bin/env bash\necho "$*" >> "{tmp_path}/calls.txt"\nexit {int(pip_fails)}\n')
+    python.chmod(0o755)
+    result = subprocess.run(["bash", str(repo / "scripts" / "setup_env.sh"), "test"], env=env, capture_output=True,
+                            text=True)
+    calls = (tmp_path / "calls.txt").read_text().splitlines() if (tmp_path / "calls.txt").exists() else []
+    return result.returncode, calls, result.stderr
+
+
+def test_the_install_block_is_what_setup_env_installs(tmp_path):
+    """setup_env.sh installs torch==2.13.0 from pip's configured index, or from the one TORCH_INDEX_URL names; the
+    README's quick start says so and names the CPU index of its install block; a bad URL is one error line."""
     [install] = [code for _, code in readme_blocks() if INSTALL in code]
     assert "python3 -m venv .venv" in install.splitlines()[0]  # a venv first, so nothing else pulls a torch in
-    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in install
-    assert "torch==2.13.0" in (ROOT / "scripts" / "setup_env.sh").read_text()
+    cpu_index = "https://download.pytorch.org/whl/cpu"
+    assert f"pip install torch==2.13.0 --index-url {cpu_index}" in install
+    quick_start = " ".join(readme_section("Quick start").split())
+    assert f"`TORCH_INDEX_URL={cpu_index} scripts/test.sh`" in quick_start
+    assert "`torch==2.13.0`, then this package. torch comes from the index pip is configured with" in quick_start
+    assert "CPU wheel" not in quick_start  # what pip's configured index holds decides the build
+    env = {key: value for key, value in os.environ.items() if key != "TORCH_INDEX_URL"}
+    pip = "-m pip install --quiet --disable-pip-version-check"
+    assert setup_env_pip_calls(tmp_path / "default", env) == (0, [f"{pip} torch==2.13.0", f"{pip} -e .[test]"], "")
+    assert setup_env_pip_calls(tmp_path / "cpu", {**env, "TORCH_INDEX_URL": cpu_index}) == (
+        0, [f"{pip} --index-url {cpu_index} torch==2.13.0", f"{pip} -e .[test]"], "")
+    assert setup_env_pip_calls(tmp_path / "unreachable", {**env, "TORCH_INDEX_URL": cpu_index}, pip_fails=True) == (
+        1, [f"{pip} --index-url {cpu_index} torch==2.13.0"],
+        f"setup_env.sh: pip could not install torch==2.13.0 from TORCH_INDEX_URL={cpu_index}\n")
+    assert setup_env_pip_calls(tmp_path / "bad", {**env, "TORCH_INDEX_URL": "--no-deps x"}) == (
+        2, [], "setup_env.sh: TORCH_INDEX_URL='--no-deps x' is not an index URL (http://, https:// or file://, no "
+        "spaces)\n")
     assert "pip install -e .  " in install
     setup = configparser.ConfigParser()
     setup.read(ROOT / "setup.cfg", encoding="utf-8")

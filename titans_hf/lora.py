@@ -16,8 +16,12 @@ Its folder (`save_pretrained`, `push_to_hub`, every `TitansTrainer` checkpoint) 
   edited file it would be another folder's memory under this folder's adapter. When PEFT's loader has titans_hf load
   a LoRA + memory folder other than the one holding the adapter it was given, titans_hf refuses, naming both
   (`check_auto_peft_base`).
-  A file edited to name a plain model (the bare base) reaches no titans_hf code: PEFT then puts the LoRA on that
-  model alone, as `PeftModel.from_pretrained(<the plain base>, folder)` does.
+  Two cases reach no titans_hf code at all, so titans_hf can neither check nor refuse them: a file edited to name a
+  plain model (the bare base), which transformers loads as its own class and PEFT puts the LoRA on, unchecked (NaN
+  weights included) and without the memory, as `PeftModel.from_pretrained(<the plain base>, folder)` does; and a
+  moved folder whose old place is empty, where transformers fails naming the old place before choosing a model
+  class. Nor can the adapter's files refuse a plain model: inside a TitansQwen the base's modules keep a plain Qwen's
+  names, and PEFT matches `target_modules` and weight keys by name, so what fits the one fits the other.
 
 `TitansQwenForCausalLM.from_pretrained(folder)` (and `AutoModelForCausalLM`, `from_base_and_memory`) loads the base the
 memory names, the memory, then the adapter (`load_lora`), memory and LoRA trainable as they were saved.

@@ -4,7 +4,8 @@ The rule for outputs, everywhere: an existing output is replaced only with `over
 then only when this tool wrote it. What it wrote is recorded in a manifest, `.titans_hf_outputs.json`, in the
 output's folder (`MANIFEST_FORMAT`): the inode of the folder it was written in, {name: {"command", "sha256",
 "inode"}} per file, and {"whole": {"command"}} for a folder this tool wrote (whole, as a toy base, or its
-outputs in place, as the demo's, where a user's file may lie beside them). A manifest vouches only for its own
+outputs in place, as the demo's, where a user's file may lie beside them; a subfolder among those outputs is the
+command's whole, see `writing_folder`). A manifest vouches only for its own
 folder and what this tool created there: one that came with a copied folder (another folder inode), an entry naming
 a path outside the folder or (unless this tool wrote the folder) in a subfolder, and a file that is a link, another
 file (another inode) or other bytes (another sha256) vouch for nothing. Inodes
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import stat
 from collections.abc import Callable, Iterator, Sequence
@@ -26,6 +28,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from titans_hf.files import atomic_write_json, hidden_sibling, remove_path
+
+logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = ".titans_hf_outputs.json"
 MANIFEST_FORMAT = 2
@@ -238,11 +242,22 @@ def _check_replaceable(path: Path, overwrite: bool, problem_of: Callable[[Path],
                               "yourself or choose another output")
 
 
-def _files_below(path: Path) -> list[Path]:
-    """The files at or under `path` (a file, a folder, or nothing)."""
-    if path.is_dir() and not path.is_symlink():
-        return sorted(below for below in path.rglob("*") if below.is_file())
-    return [path] if path.is_file() else []
+def _outputs_present(folder: Path, outputs: Sequence[str]) -> tuple[list[Path], list[Path]]:
+    """(the files at or under the outputs `outputs` of `folder` (each a file, a folder or absent), what lies under an
+    output folder that is neither a plain file nor a folder: a link, which is not followed, a FIFO, ...)."""
+    files: list[Path] = []
+    others: list[Path] = []
+    for path in (folder / name for name in outputs):
+        if not path.is_dir() or path.is_symlink():
+            if path.is_file():
+                files.append(path)
+            continue
+        for below in sorted(path.rglob("*")):
+            if below.is_symlink() or not (below.is_file() or below.is_dir()):
+                others.append(below)
+            elif below.is_file():
+                files.append(below)
+    return files, others
 
 
 def _replaceable_outputs_problem(folder: str | os.PathLike, outputs: Sequence[str]) -> str | None:
@@ -283,15 +298,21 @@ def writing_folder(folder: str | os.PathLike, overwrite: bool, command: str, *,
                    outputs: Sequence[str]) -> Iterator[Path]:
     """The folder `command` writes its `outputs` into, in place (for outputs that record their own absolute paths,
     which a rename from a temporary name would break). `outputs` are the names of the files and subfolders it writes
-    there, each written whole: they are the command's, and nothing else in the folder is.
+    there, each written whole: they are the command's, and nothing else in the folder is. A subfolder among them is
+    the command's as a whole, as a file is: written in place by library code (a trainer, `save_pretrained`), the
+    files the command puts in it and a file a user puts there meanwhile cannot be told apart, so every plain file
+    under it when the block ends is recorded as the command's, and a failure removes the subfolder whole. What lies
+    under it that is no plain file or folder (a link, a FIFO), which the command never writes, is not recorded: it is
+    left where it is with a warning naming it, the finished outputs are kept, and a later `overwrite` refuses the
+    folder until it is removed. A user's files belong beside the outputs, not inside them.
 
     An absent or empty folder is used as it is. An existing one needs `overwrite` and must be one this tool wrote,
     its earlier outputs as they were written and none of `outputs` someone else's (`_replaceable_outputs_problem`);
     the earlier outputs and their manifest are set aside under hidden names until the block ends. When it ends, the
     files under `outputs` are recorded (`command` wrote the folder, and these files) and the earlier outputs deleted;
     when it raises, the outputs it wrote go and the earlier ones come back: the command leaves all of its outputs or
-    none. Anything else in the folder, such as a file a user put there while the command ran, is left as it is and
-    never recorded, so a later `overwrite` keeps it too.
+    none. Anything beside the outputs, such as a file a user put into the folder while the command ran, is left as it
+    is and never recorded, so a later `overwrite` keeps it too.
     """
     folder = Path(folder)
     for name in outputs:
@@ -317,7 +338,10 @@ def writing_folder(folder: str | os.PathLike, overwrite: bool, command: str, *,
         raise
     try:
         yield folder
-        written = [below for name in outputs for below in _files_below(folder / name)]
+        written, unrecordable = _outputs_present(folder, outputs)
+        for path in unrecordable:
+            logger.warning("%s: not a plain file or folder, so not an output of %s: left as it is and not recorded "
+                           "(a later overwrite of %s refuses until it is removed)", path, command, folder)
         _write_manifest(folder, {"command": command}, {path.relative_to(folder).as_posix(): _record_of(path, command)
                                                        for path in written})
     except BaseException:
