@@ -12,19 +12,22 @@
 #      DIR/results.json, DIR/accuracy.png.
 # Options (defaults: the full run, sized for 90 minutes of training on 2 CPU cores; see docs/real_base.md):
 #   --output-dir DIR (outputs/real_base)  --gpu-model ID (a Hub Qwen2/Qwen3 on a CUDA GPU instead of SmolLM2)
-#   --train-rows N (300 per length)  --eval-rows N (100 per length)  --epochs N (4)  --max-steps N (-1: the epochs)
+#   --train-rows N (800 per length)  --eval-rows N (100 per length)  --epochs N (4)  --max-steps N (-1: the epochs)
 #   --batch-size N (8)  --threads N (1: on a shared 2-core machine a second thread per process ran 2.5-5x slower)
+#   --dtype bfloat16|float32 (bfloat16: the frozen base's dtype in training and in every evaluation; the memory stays
+#   float32; on a CPU without bfloat16 units, AVX512-BF16 or AMX, float32 may be faster)
 #   --overwrite (replace the outputs an earlier run wrote in DIR)
 set -euo pipefail
 started=$SECONDS
 output_dir=outputs/real_base
 gpu_model=""
-train_rows=300
+train_rows=800
 eval_rows=100
 epochs=4
 max_steps=-1
 batch_size=8
 threads=1
+dtype=bfloat16
 overwrite=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -36,6 +39,7 @@ while [ $# -gt 0 ]; do
     --max-steps) max_steps="$2"; shift 2 ;;
     --batch-size) batch_size="$2"; shift 2 ;;
     --threads) threads="$2"; shift 2 ;;
+    --dtype) dtype="$2"; shift 2 ;;
     --overwrite) overwrite=(--overwrite); shift ;;
     *) echo "real_base.sh: unknown option $1 (see the header of $0)" >&2; exit 2 ;;
   esac
@@ -86,7 +90,7 @@ seconds+=("fetch_and_convert=$((SECONDS - stage_started))")
 stage_started=$SECONDS
 .venv/bin/python -m titans_hf.commands.real_base_job prepare --base "$base" --output-dir "$output_dir" \
   --train-rows "$train_rows" --eval-rows "$eval_rows" --epochs "$epochs" --max-steps "$max_steps" \
-  --batch-size "$batch_size" --device "$device" "${overwrite[@]}"
+  --batch-size "$batch_size" --device "$device" --dtype "$dtype" "${overwrite[@]}"
 seconds+=("prepare=$((SECONDS - stage_started))")
 
 stage_started=$SECONDS
@@ -95,9 +99,9 @@ seconds+=("train=$((SECONDS - stage_started))")
 
 stage_started=$SECONDS
 .venv/bin/titans-hf eval --model "$output_dir/memory" --data "$output_dir/data/eval" --tasks qa1 --batch-size 16 \
-  --max-new-tokens 3 --device "$device" --output "$output_dir/eval" "${overwrite[@]}"
+  --max-new-tokens 3 --device "$device" --dtype "$dtype" --output "$output_dir/eval" "${overwrite[@]}"
 seconds+=("eval=$((SECONDS - stage_started))")
 
 .venv/bin/python -m titans_hf.commands.real_base_job report --base "$base" --output-dir "$output_dir" \
-  --device "$device" --seconds "${seconds[@]}" "${overwrite[@]}"
+  --device "$device" --dtype "$dtype" --seconds "${seconds[@]}" "${overwrite[@]}"
 echo "real_base.sh finished in $((SECONDS - started))s"

@@ -297,6 +297,11 @@ def test_prepare_writes_the_rows_and_flags_that_titans_hf_train_reads(tmp_path, 
     assert model_args.model_name_or_path == str(out_dir) and memory_args.memory_layers == [1]  # 0.8 of 2 layers
     assert data_args.data_files == [str(tmp_path / "data" / "train" / "qa1" / f"{n}.json") for n in (0, 128)]
     assert training_args.curriculum_chunks == flags["curriculum_chunks"] and training_args.max_steps == 2
+    # one optimizer step a batch of 8 rows (the recipe's accumulation of 8 is for rows of 32k tokens), the base in
+    # bfloat16 and the memory's write gate open, without a write cost
+    assert (training_args.per_device_train_batch_size, training_args.gradient_accumulation_steps) == (8, 1)
+    assert model_args.dtype == "bfloat16"
+    assert (memory_args.theta_bias_init, memory_args.write_cost, memory_args.conv_kernel) == (-2.0, 0.0, 8)
     for split, lengths, rows in (("train", (0, 128), 4), ("eval", (128, 256), 3)):
         for length in lengths:
             written = json.loads((tmp_path / "data" / split / "qa1" / f"{length}.json").read_text(encoding="utf-8"))

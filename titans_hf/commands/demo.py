@@ -114,11 +114,13 @@ def demo_command(args: argparse.Namespace) -> int:
     print(f"\nBABILong {info['task']}, input lengths in tokens (chunks of {info['chunk_size']}; trained up to "
           f"{max(info['train_lengths'])} tokens), accuracy in %:")
     print(format_results_table(demo["results"]))
-    memory_chunk = info["memory_settings"]["memory_chunk_size"]
+    settings = info["memory_settings"]
     for length in info["eval_lengths"]:
-        print(f"  {length} tokens = {length // info['chunk_size']} chunks = {length // memory_chunk} memory updates "
-              f"(of {memory_chunk} tokens; the recipe's chunks of 4096 with updates of 64 reach as many updates at "
-              f"{64 * length // memory_chunk:,} tokens)")
+        updates = length // settings["memory_chunk_size"]
+        written = (f"up to {length:,} writes over a fact (the delta rule writes every token)"
+                   if settings["update_rule"] == "delta" else f"up to {updates:,} writes over a fact")
+        print(f"  {length:,} tokens: {written}; {length // info['chunk_size']:,} chunks, {updates:,} memory updates "
+              f"of {settings['memory_chunk_size']} tokens")
     print(f"\nby distance from the supporting fact to the question:\n{format_distance_table(demo['results'])}")
     print(f"\ntotal {timings['total_s']:.0f}s")
     paths = demo["paths"]

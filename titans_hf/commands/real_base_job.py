@@ -53,6 +53,10 @@ MEMORY_DEPTH_FRACTION = 0.8
 MEMORY_SETTINGS = dict(
     conv_kernel=8,  # spans " Mary journeyed to the kitchen." in SmolLM2's tokens
     memory_chunk_size=8,
+    # the write gate open from the start and no write cost: inputs of at most 16 chunks ask the memory to learn to
+    # write, not to keep writes small over thousands of chunks (docs/real_base.md, runs 4 and 5)
+    theta_bias_init=-2.0,
+    write_cost=0.0,
     checkpoint_chunks=False,  # rows of about a thousand tokens: recomputation would only cost time
 )
 TRAIN_ARGS_NAME = "train_args.json"
@@ -131,15 +135,16 @@ def row_chunks(rows: Sequence[Mapping[str, str]], tokenizer, chunk_size: int) ->
 
 
 def prepare(base: str, output_dir: str | Path, chunk_size: int = 64, train_chunks: Sequence[int] = (0, 4, 8),
-            eval_chunks: Sequence[int] = (4, 8, 16), train_rows: int = 300, eval_rows: int = 100, epochs: int = 4,
+            eval_chunks: Sequence[int] = (4, 8, 16), train_rows: int = 800, eval_rows: int = 100, epochs: int = 4,
             max_steps: int = -1, batch_size: int = 8, learning_rate: float = 3e-3, device: str = "cpu",
-            seed: int = 0, overwrite: bool = False) -> dict[str, Any]:
+            seed: int = 0, dtype: str | None = "bfloat16", overwrite: bool = False) -> dict[str, Any]:
     """Write the training and evaluation rows (in `CHOSEN_FORMAT`) as BABILong JSON under `output_dir`/data and the
     flags of ``titans-hf train`` as `output_dir`/train_args.json; returns those flags.
 
     Lengths are inputs of so many chunks (0: the bare story). Training goes one curriculum stage per epoch (the
-    bare stories, then rows of up to each trained length), then all rows. On ``device`` "cuda" training runs in
-    bfloat16 autocast."""
+    bare stories, then rows of up to each trained length), then all rows. The frozen base is loaded in `dtype`
+    (None: its checkpoint's), the memory stays float32; on ``device`` "cuda" training also runs in bfloat16
+    autocast."""
     if min(train_chunks) < 0 or min(eval_chunks) < 1 or chunk_size < 1:
         raise ValueError(f"prepare: train_chunks {list(train_chunks)} must be >= 0, eval_chunks {list(eval_chunks)} "
                          f">= 1 and chunk_size {chunk_size} >= 1")
@@ -169,6 +174,7 @@ def prepare(base: str, output_dir: str | Path, chunk_size: int = 64, train_chunk
     stages = sorted(stage_chunks)
     arguments = {
         "model_name_or_path": base,
+        **({"dtype": dtype} if dtype is not None else {}),
         "data_files": [str(path) for path in train_files.values()],
         "max_length": (max(stages) + 1) * chunk_size,
         "answer_reserve_tokens": 16,
@@ -179,6 +185,7 @@ def prepare(base: str, output_dir: str | Path, chunk_size: int = 64, train_chunk
         "output_dir": str(output / MEMORY_DIR_NAME),
         "overwrite_output_dir": overwrite,
         "per_device_train_batch_size": batch_size,
+        "gradient_accumulation_steps": 1,  # the recipe's 8 suit rows of 32k tokens; these rows fit a batch whole
         "learning_rate": learning_rate,
         "lr_scheduler_type": "constant_with_warmup",
         "warmup_steps": 10,
@@ -203,7 +210,8 @@ def prepare(base: str, output_dir: str | Path, chunk_size: int = 64, train_chunk
 
 
 def report(base: str, output_dir: str | Path, batch_size: int = 16, device: str | None = None,
-           stage_seconds: Mapping[str, float] | None = None, overwrite: bool = False) -> dict[str, Any]:
+           dtype: str | None = "bfloat16", stage_seconds: Mapping[str, float] | None = None,
+           overwrite: bool = False) -> dict[str, Any]:
     """The frozen base with full attention on the evaluation rows (`output_dir`/ceiling), joined with
     ``titans-hf eval``'s results (`output_dir`/eval/results.json) into `output_dir`/results.json and accuracy.png.
 
@@ -219,7 +227,8 @@ def report(base: str, output_dir: str | Path, batch_size: int = 16, device: str 
     check_outputs([output / RESULTS_NAME, output / PLOT_NAME], overwrite)
     started = time.time()
     tokenizer = AutoTokenizer.from_pretrained(base, trust_remote_code=False)
-    model = AutoModelForCausalLM.from_pretrained(base, trust_remote_code=False).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        base, trust_remote_code=False, **({"dtype": getattr(torch, dtype)} if dtype is not None else {})).eval()
     if device is not None:
         model.to(device)
     files = {(TASK, length): output / DATA_DIR_NAME / EVAL_DIR_NAME / TASK / f"{length}.json" for length in memory}
@@ -234,7 +243,7 @@ def report(base: str, output_dir: str | Path, batch_size: int = 16, device: str 
             "memory_off": cell["no_memory"]["exact_match"], "memory_on": cell["memory"]["exact_match"],
             "memory_on_not_last_location": cell["memory"]["exact_match_not_last_location"],
         })
-    results = {"task": TASK, "base": base, "chunk_size": chunk_size, "prompt_format": CHOSEN_FORMAT,
+    results = {"task": TASK, "base": base, "dtype": dtype, "chunk_size": chunk_size, "prompt_format": CHOSEN_FORMAT,
                "metric": "exact_match", "lengths": lengths,
                "timings_s": {**(stage_seconds or {}), "full_attention_eval": round(time.time() - started, 1)},
                "files": {"memory": f"{EVAL_DIR_NAME}/{RESULTS_NAME}", "full_attention": f"{CEILING_DIR_NAME}/"
@@ -303,10 +312,12 @@ def main(argv: list[str] | None = None) -> int:
         stage.add_argument("--base", required=True)
         stage.add_argument("--output-dir", required=True)
         stage.add_argument("--overwrite", action="store_true")
+        stage.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                           help="the frozen base's dtype (the memory stays float32)")
     to_prepare.add_argument("--chunk-size", type=int, default=64)
     to_prepare.add_argument("--train-chunks", type=int, nargs="+", default=[0, 4, 8])
     to_prepare.add_argument("--eval-chunks", type=int, nargs="+", default=[4, 8, 16])
-    to_prepare.add_argument("--train-rows", type=int, default=300, help="rows per trained length")
+    to_prepare.add_argument("--train-rows", type=int, default=800, help="rows per trained length")
     to_prepare.add_argument("--eval-rows", type=int, default=100, help="rows per evaluated length")
     to_prepare.add_argument("--epochs", type=int, default=4)
     to_prepare.add_argument("--max-steps", type=int, default=-1)
@@ -325,12 +336,12 @@ def main(argv: list[str] | None = None) -> int:
     elif args.stage == "prepare":
         arguments = prepare(args.base, args.output_dir, args.chunk_size, args.train_chunks, args.eval_chunks,
                             args.train_rows, args.eval_rows, args.epochs, args.max_steps, args.batch_size,
-                            args.learning_rate, args.device, args.seed, args.overwrite)
+                            args.learning_rate, args.device, args.seed, args.dtype, args.overwrite)
         print(f"wrote {Path(args.output_dir) / TRAIN_ARGS_NAME}: memory on layer {arguments['memory_layers'][0]}, "
               f"curriculum {arguments['curriculum_chunks']} chunks")
     else:
-        results = report(args.base, args.output_dir, args.batch_size, args.device, _seconds(args.seconds),
-                         args.overwrite)
+        results = report(args.base, args.output_dir, args.batch_size, args.device, args.dtype,
+                         _seconds(args.seconds), args.overwrite)
         print("input (chunks)  rows  chance  last place  full attention  memory off  memory on")
         for cell in results["lengths"]:
             print(f"{cell['input_tokens']:>6} ({cell['chunks']:>2})  {cell['num_samples']:>5}  "
