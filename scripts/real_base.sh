@@ -12,7 +12,7 @@
 #      DIR/results.json, DIR/accuracy.png.
 # Options (defaults: the full run, sized for 90 minutes of training on 2 CPU cores; see docs/real_base.md):
 #   --output-dir DIR (outputs/real_base)  --gpu-model ID (a Hub Qwen2/Qwen3 on a CUDA GPU instead of SmolLM2)
-#   --train-rows N (800 per length)  --eval-rows N (100 per length)  --epochs N (4)  --max-steps N (-1: the epochs)
+#   --train-rows N (300 per length)  --eval-rows N (100 per length)  --epochs N (4)  --max-steps N (-1: the epochs)
 #   --batch-size N (8)  --threads N (1: on a shared 2-core machine a second thread per process ran 2.5-5x slower)
 #   --dtype bfloat16|float32 (bfloat16: the frozen base's dtype in training and in every evaluation; the memory stays
 #   float32; on a CPU without bfloat16 units, AVX512-BF16 or AMX, float32 may be faster)
@@ -21,7 +21,7 @@ set -euo pipefail
 started=$SECONDS
 output_dir=outputs/real_base
 gpu_model=""
-train_rows=800
+train_rows=300
 eval_rows=100
 epochs=4
 max_steps=-1

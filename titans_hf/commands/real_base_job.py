@@ -135,7 +135,7 @@ def row_chunks(rows: Sequence[Mapping[str, str]], tokenizer, chunk_size: int) ->
 
 
 def prepare(base: str, output_dir: str | Path, chunk_size: int = 64, train_chunks: Sequence[int] = (0, 4, 8),
-            eval_chunks: Sequence[int] = (4, 8, 16), train_rows: int = 800, eval_rows: int = 100, epochs: int = 4,
+            eval_chunks: Sequence[int] = (4, 8, 16), train_rows: int = 300, eval_rows: int = 100, epochs: int = 4,
             max_steps: int = -1, batch_size: int = 8, learning_rate: float = 3e-3, device: str = "cpu",
             seed: int = 0, dtype: str | None = "bfloat16", overwrite: bool = False) -> dict[str, Any]:
     """Write the training and evaluation rows (in `CHOSEN_FORMAT`) as BABILong JSON under `output_dir`/data and the
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     to_prepare.add_argument("--chunk-size", type=int, default=64)
     to_prepare.add_argument("--train-chunks", type=int, nargs="+", default=[0, 4, 8])
     to_prepare.add_argument("--eval-chunks", type=int, nargs="+", default=[4, 8, 16])
-    to_prepare.add_argument("--train-rows", type=int, default=800, help="rows per trained length")
+    to_prepare.add_argument("--train-rows", type=int, default=300, help="rows per trained length")
     to_prepare.add_argument("--eval-rows", type=int, default=100, help="rows per evaluated length")
     to_prepare.add_argument("--epochs", type=int, default=4)
     to_prepare.add_argument("--max-steps", type=int, default=-1)
