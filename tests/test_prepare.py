@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import datasets
@@ -12,6 +11,8 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
+import titans_hf.files as files
+import titans_hf.outputs as outputs
 from titans_hf.commands import main
 from titans_hf.data import prepare as prepare_module
 from titans_hf.data.prepare import prepare
@@ -222,14 +223,16 @@ def test_failed_overwrite_keeps_the_old_store(tmp_path, tiny_tokenizer_dir, monk
     output = tmp_path / "store_bin"
     prepare(tmp_path / "story.txt", output, tiny_tokenizer_dir)
     before = {path.name: path.read_bytes() for path in output.iterdir()}
-    real_replace = os.replace
+    real_rename = files.rename_no_replace
 
-    def replace_failing_on_the_new_store(src, dst):
+    def rename_failing_on_the_new_store(src, dst):
         if Path(dst) == output and not Path(src).name.startswith(f".{output.name}.replaced-"):
             raise OSError("disk full")  # the new store cannot be put in place; putting the old one back works
-        real_replace(src, dst)
+        real_rename(src, dst)
 
-    monkeypatch.setattr(os, "replace", replace_failing_on_the_new_store)  # what utils.replace_outputs calls
+    # what titans_hf.outputs.replace_outputs renames with, and what puts the old store back
+    monkeypatch.setattr(files, "rename_no_replace", rename_failing_on_the_new_store)
+    monkeypatch.setattr(outputs, "rename_no_replace", rename_failing_on_the_new_store)
     with pytest.raises(OSError, match="disk full"):
         prepare(tmp_path / "other.txt", output, tiny_tokenizer_dir, overwrite=True)
     monkeypatch.undo()

@@ -27,7 +27,16 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from titans_hf.files import atomic_write_json, hidden_sibling, remove_path
+from titans_hf.files import (
+    atomic_write_json,
+    claim_output,
+    hidden_sibling,
+    put_back,
+    reclaim,
+    remove_path,
+    rename_no_replace,
+    set_aside_claimed,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +211,8 @@ def check_outputs(paths: list[Path], overwrite: bool) -> None:
     """Refuse, before any work, output files that exist (unless `overwrite`, and then only files this tool wrote,
     per their folder's manifest), that are folders, or whose folder cannot be made or written; names the manifest
     cannot record (its own, and one that is not UTF-8: JSON holds text, not bytes); and a folder whose manifest is a
-    link or not a file (it would be replaced, or could not be)."""
+    link or not a file (it would be replaced, or could not be). Each path is then claimed as it is
+    (`titans_hf.files.claim_output`): its final rename replaces only what lies there now, or nothing."""
     for path in paths:
         if path.name == MANIFEST_NAME:
             raise ValueError(f"output {path}: {MANIFEST_NAME} is the name of titans_hf's record of the outputs it "
@@ -220,15 +230,18 @@ def check_outputs(paths: list[Path], overwrite: bool) -> None:
         if path.exists() or path.is_symlink():
             _check_replaceable(path, overwrite, unrecorded_reason)
         check_can_create(path)
+        claim_output(path)
 
 
 def check_folder_output(folder: Path, overwrite: bool) -> None:
     """Refuse, before any work, an existing output folder without `overwrite`, and with it any folder this tool
     did not write whole (`replaceable_folder_problem`): a user's folder is never replaced. The folder it is made
-    or replaced in must be writable."""
+    or replaced in must be writable. The folder is then claimed as it is (`titans_hf.files.claim_output`): its
+    final rename replaces only this folder, and only while it still is what this tool wrote, or nothing."""
     if folder.exists() or folder.is_symlink():
         _check_replaceable(folder, overwrite, replaceable_folder_problem)
     check_can_create(folder)
+    claim_output(folder, verify=replaceable_folder_problem)
 
 
 def _check_replaceable(path: Path, overwrite: bool, problem_of: Callable[[Path], str | None]) -> None:
@@ -324,7 +337,11 @@ def writing_folder(folder: str | os.PathLike, overwrite: bool, command: str, *,
         _check_replaceable(folder, overwrite, lambda path: _replaceable_outputs_problem(path, outputs))
         earlier = sorted({name.split("/")[0] for name in read_manifest(folder)["files"]})
     check_can_create(folder / MANIFEST_NAME)
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=not created)
+    except FileExistsError:
+        raise FileExistsError(f"output {folder}: something was put there while this command started; it is left "
+                              "as it is and nothing was written") from None
     set_aside: dict[Path, Path] = {}
     try:
         for path in (folder / name for name in [*earlier, MANIFEST_NAME]):
@@ -360,26 +377,34 @@ def replace_outputs(finished: Sequence[Path], targets: Sequence[Path], replaced:
     """Rename the finished temporaries (files or folders) to their targets, in place of what lies there and of
     the older outputs `replaced` (e.g. shards a new run no longer writes).
 
-    What is replaced is set aside first (a folder cannot be renamed over) and deleted only once every new output
-    is in place; if a rename fails the new outputs go and the old ones come back, so a command either installs
-    all of its outputs or none. The caller has checked that all of it may be replaced.
+    Each target and older output is replaced only when a check claimed it (`check_outputs`, `check_folder_output`,
+    `titans_hf.files.claim_output`) and it is still what the check saw; anything else there (something that appeared
+    while the command ran, a change) is refused naming it, and so is any target taken by another writer meanwhile:
+    the temporaries are renamed in with no-replace semantics (`titans_hf.files.rename_no_replace`). What is replaced
+    is set aside first (a folder cannot be renamed over) and deleted only once every new output is in place; if a
+    rename fails the new outputs go and the old ones come back, so a command either installs all of its outputs or
+    none, and never removes what it did not claim. The caller removes its temporaries when this raises.
     """
-    existing = list(dict.fromkeys([*replaced, *(target for target in targets
-                                                 if target.exists() or target.is_symlink())]))
-    set_aside = [hidden_sibling(path, "replaced") for path in existing]
-    for path, aside in zip(existing, set_aside):
-        os.replace(path, aside)
+    set_aside: dict[Path, Path] = {}
+    installed: list[Path] = []
     try:
+        for path in dict.fromkeys([*replaced, *targets]):
+            aside = set_aside_claimed(path)
+            if aside is not None:
+                set_aside[path] = aside
         for temporary, target in zip(finished, targets):
-            os.replace(temporary, target)
+            rename_no_replace(temporary, target)
+            installed.append(target)
     except BaseException:
-        for target in targets:
+        for target in installed:
             remove_path(target)
-        for path, aside in zip(existing, set_aside):
-            os.replace(aside, path)
+        for path, aside in set_aside.items():
+            put_back(aside, path)
         raise
-    for aside in set_aside:
+    for aside in set_aside.values():
         remove_path(aside)
+    for target in targets:
+        reclaim(target)
 
 
 def prepare_output_dir(path: str | os.PathLike, names: tuple[str, ...], overwrite: bool = True) -> Path:

@@ -53,7 +53,7 @@ from typing import Any, Iterator
 import h5py
 import numpy as np
 
-from titans_hf.files import hidden_sibling
+from titans_hf.files import claim_output, hidden_sibling
 
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
@@ -724,7 +724,17 @@ def open_store(path: str | Path, **kwargs: Any) -> TokenStore:
 
 
 def replaceable_store_problem(path: str | Path) -> str | None:
-    """None when `path` is a store a `StoreWriter` wrote (what `prepare(overwrite=True)` may replace), else why not.
+    """None when `path` is a store a `StoreWriter` wrote (what `prepare(overwrite=True)` may replace), else why not
+    (`store_layout_problem`). A store found replaceable is claimed as it is for this thread's final rename
+    (`titans_hf.files.claim_output`): that rename replaces this very store, or refuses."""
+    problem = store_layout_problem(path)
+    if problem is None:
+        claim_output(path, verify=store_layout_problem)
+    return problem
+
+
+def store_layout_problem(path: str | Path) -> str | None:
+    """None when `path` has the exact layout of a store a `StoreWriter` wrote, else why not.
 
     Judged by the exact layout, never by the name: a bin store is a directory (not a link) holding
     exactly `meta.json`, with this `format_version` and plain key names, and the `<key>.bin` files
