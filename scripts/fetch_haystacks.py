@@ -14,6 +14,8 @@ rename):
     <cache>/<source>/<name>.txt        plain UTF-8 prose, one paragraph a line, a blank line between paragraphs
     <cache>/sources.json               per source: package, version, archive and its SHA-256, the files read inside
                                        it, licence and where the package states it, characters, a description
+    <cache>/sources.lock               held while a fetch reads and rewrites sources.json, so that two fetches into
+                                       one cache keep each other's records
 
 A source whose text file and record are already in the cache, matching the pinned archive, is not fetched again.
 
@@ -27,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
+import fcntl
 import fnmatch
 import json
 import re
@@ -35,7 +39,7 @@ import sys
 import tarfile
 import tempfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +52,8 @@ from titans_hf.tasks.babilong.generate import names_a_task_word, split_sentences
 
 DEFAULT_CACHE = "outputs/haystacks"
 RECORDS_NAME = "sources.json"
+# Held while a fetch reads and rewrites the records (`cache_lock`).
+LOCK_NAME = "sources.lock"
 # A haystack of 131,072 tokens at about 4 characters a token.
 TARGET_CHARACTERS = 300_000
 # The most bytes one member of an archive may hold before it is read (the largest read here is 5.7 MB).
@@ -408,19 +414,36 @@ def fetch_source(source: Source, cache: Path, download: Callable[[Source, Path],
     }
 
 
+@contextlib.contextmanager
+def cache_lock(cache: Path) -> Iterator[None]:
+    """Hold `<cache>/LOCK_NAME` exclusively (waiting for another fetch into the same cache to finish), so that two
+    fetches never read and rewrite `sources.json` at once: each keeps the other's records."""
+    with open(cache / LOCK_NAME, "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def fetch(names: list[str], cache: Path, download: Callable[[Source, Path], Path] = pip_download
           ) -> list[dict[str, Any]]:
     """Fetch the named sources into `cache` (reusing the current ones) and rewrite `sources.json` with their records
-    beside those of the other sources already there. Returns the named sources' records."""
+    beside those of the other sources already there, under the cache's lock. Returns the named sources' records."""
     unknown = [name for name in names if name not in SOURCES]
     if unknown:
         raise ValueError(f"--sources {unknown}: not sources; they are {list(SOURCES)}")
+    existing = next((folder for folder in [cache, *cache.parents] if folder.exists() or folder.is_symlink()), None)
+    if existing is not None and not existing.is_dir():
+        raise ValueError(f"--cache {cache}: {existing} is a file, not a folder; name a folder for the archives and "
+                         "texts")
     cache.mkdir(parents=True, exist_ok=True)
-    records = read_records(cache)
-    for name in names:
-        if not is_current(records.get(name), SOURCES[name], cache):
-            records[name] = fetch_source(SOURCES[name], cache, download)
-        atomic_write_json(cache / RECORDS_NAME, [records[key] for key in sorted(records)])
+    with cache_lock(cache):
+        records = read_records(cache)
+        for name in names:
+            if not is_current(records.get(name), SOURCES[name], cache):
+                records[name] = fetch_source(SOURCES[name], cache, download)
+            atomic_write_json(cache / RECORDS_NAME, [records[key] for key in sorted(records)])
     return [records[name] for name in names]
 
 
@@ -444,7 +467,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="the sources to fetch (default: all)")
     args = parser.parse_args(argv)
     cache = Path(args.cache)
-    records = fetch(args.sources, cache)
+    try:
+        records = fetch(args.sources, cache)
+    except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError) as error:
+        print(f"fetch_haystacks.py: error: {error}", file=sys.stderr)
+        return 2
     print(format_table(records))
     print(f"\ntexts under {cache}/<source>/, records in {cache / RECORDS_NAME}; a folder is a haystack: "
           f"--haystack {cache / args.sources[0]}")

@@ -12,6 +12,8 @@ import os
 import shutil
 import sys
 import tarfile
+import threading
+import time
 import zipfile
 from pathlib import Path
 
@@ -505,3 +507,35 @@ def test_the_fetch_script_reuses_its_cache_and_refuses_other_archives(fixture_ar
         fetch_haystacks.read_members(latin, ("*.txt",))
     with pytest.raises(ValueError, match=r"--sources \['pg19'\]: not sources"):
         fetch_haystacks.fetch(["pg19"], cache, download)
+
+
+def test_concurrent_fetches_into_one_cache_keep_every_record(fixture_archives, tmp_path, monkeypatch):
+    # two fetches of different sources at once: each reads the records, fetches, and rewrites them; the second
+    # waits on the cache's lock, so it reads the first's record and keeps it
+    cache, calls = tmp_path / "haystacks", []
+    download = copying_download(fixture_archives, calls)
+    first_inside = threading.Event()
+    extract = fetch_haystacks.fetch_source
+
+    def slow_fetch_source(source, cache, download):
+        first_inside.set()
+        time.sleep(0.5)  # the other fetch starts meanwhile
+        return extract(source, cache, download)
+
+    monkeypatch.setattr(fetch_haystacks, "fetch_source", slow_fetch_source)
+    thread = threading.Thread(target=fetch_haystacks.fetch, args=(["botchan"], cache, download))
+    thread.start()
+    assert first_inside.wait(60)
+    fetch_haystacks.fetch(["markov"], cache, download)
+    thread.join()
+    records = json.loads((cache / fetch_haystacks.RECORDS_NAME).read_text(encoding="utf-8"))
+    assert sorted(record["source"] for record in records) == ["botchan", "markov"]
+
+
+def test_a_cache_that_is_a_file_is_named(tmp_path, capsys):
+    (tmp_path / "cache").write_text("mine")
+    assert fetch_haystacks.main(["--cache", str(tmp_path / "cache" / "sub"), "--sources", "botchan"]) == 2
+    assert capsys.readouterr().err == (f"fetch_haystacks.py: error: --cache {tmp_path / 'cache' / 'sub'}: "
+                                       f"{tmp_path / 'cache'} is a file, not a folder; name a folder for the "
+                                       "archives and texts\n")
+    assert (tmp_path / "cache").read_text() == "mine"
