@@ -230,6 +230,8 @@ def _check_input_files(paths: list[Path], train_type: str) -> None:
         if path.is_dir():
             raise ValueError(f"{path}: is a directory; pass the .txt/.jsonl files inside it")
         if not path.is_file():
+            if path.exists():  # a FIFO, a socket, a device: a read would block or never end
+                raise ValueError(f"{path}: not a regular file (a FIFO, socket or device); pass a .txt or .jsonl file")
             raise FileNotFoundError(f"{path}: input file not found")
         if path.suffix not in INPUT_SUFFIXES:
             raise ValueError(f"{path}: unsupported input; use .txt or .jsonl files, or a datasets.Dataset")
@@ -253,6 +255,10 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
                     record = json.loads(line)
                 except json.JSONDecodeError as error:
                     raise ValueError(f"{path}:{line_number}: not valid JSON ({error})") from error
+                except RecursionError:
+                    raise ValueError(f"{path}:{line_number}: JSON nested too deeply to read (more levels of "
+                                     "arrays or objects than Python's parser takes); a record is an object of "
+                                     "texts") from None
                 yield f"{path}:{line_number}", record
     except UnicodeDecodeError as error:
         raise ValueError(_utf8_problem(path)) from error
