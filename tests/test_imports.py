@@ -4,8 +4,8 @@ Every import of every module counts, read with `ast`: at module level, inside fu
 `if TYPE_CHECKING:` (read by type checkers). Over the package's modules they form no circle, but for the listed
 imports a user's call makes (`USER_CALL_IMPORTS`, one per method that makes it). The model (`titans_hf.modeling`)
 imports nothing of the package above it but those, in those methods, and the leaf `titans_hf.files`; its config
-imports no torch model code; importing every module of it loads none of the Hub, LoRA, training, data or task code,
-nor `datasets`; the data code loads no task.
+imports no torch model code; importing every module of it loads none of the Hub, LoRA, training or task code (the package's
+import loads the data code, which registers the builders); the data code loads no task.
 
 A module's import of a package it sits in (`titans_hf`, `titans_hf.modeling`) is no edge: the package's
 `__init__` has run before any of its modules can be imported.
@@ -175,13 +175,15 @@ def test_the_config_module_imports_no_torch_model_code():
             CONFIG_MODULE} <= reachable(graph, "titans_hf.modeling.modeling_titans_qwen")
 
 
-def test_the_model_loads_no_hub_lora_training_data_or_task_code():
+def test_the_model_loads_no_hub_lora_training_or_task_code():
+    """Importing every module of the model loads nothing beyond them but what the package's import loads (the data
+    code, which registers the builders, and `datasets`): no Hub, LoRA, training, task or command code."""
     modeling = [name for name in MODULES if name.startswith("titans_hf.modeling")]
     loaded = loaded_by(modeling)
-    forbidden = ("titans_hf.hub", "titans_hf.lora", "titans_hf.training", "titans_hf.data", "titans_hf.tasks",
-                 "titans_hf.commands", "datasets")
+    forbidden = ("titans_hf.hub", "titans_hf.lora", "titans_hf.training", "titans_hf.tasks", "titans_hf.commands")
     assert not [name for name in loaded if name.startswith(forbidden)]
     assert "titans_hf.modeling.modeling_titans_qwen" in loaded
+    assert loaded - set(modeling) <= loaded_by(["titans_hf"])
 
 
 def test_the_data_code_loads_no_task_training_or_command_code():
@@ -193,7 +195,9 @@ def test_the_data_code_loads_no_task_training_or_command_code():
 
 def test_the_package_top_names_the_public_api():
     loaded = loaded_by(["titans_hf"])
-    assert "datasets" not in loaded and "titans_hf.training" not in loaded  # the lazy names stay unloaded
+    assert {"datasets", "titans_hf.data"} <= loaded  # the builders' registration, the package's one
+    assert not [name for name in loaded if name.startswith(("titans_hf.training", "titans_hf.lora", "titans_hf.hub",
+                                                            "titans_hf.tasks"))]  # the lazy names stay unloaded
     public = {name: getattr(titans_hf, name) for name in titans_hf.__all__}
     assert public["TitansTrainer"].__module__.startswith("titans_hf.training")
     assert public["add_lora"].__module__ == "titans_hf.lora"
