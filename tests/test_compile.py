@@ -115,7 +115,7 @@ def test_compiled_chunks_equal_the_layer_major_stream(one_thread):
     chunk: the same logits and hidden states, padding included."""
     model = tiny_model(attend_previous_chunk=False).eval()
     ids, mask = padded_batch(5 * CHUNK + 3, seed=4)
-    assert model.model._runs_layer_major(ids.shape[1], None, False)
+    assert model.model._runs_layer_by_layer(ids.shape[1], None)
     with torch.no_grad():
         eager = model(ids, attention_mask=mask, output_hidden_states=True)
         graphs = CompileCounterWithBackend("eager")  # no backward to split: dynamo's graphs, run as they are

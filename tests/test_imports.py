@@ -1,11 +1,13 @@
 """The package's import graph: one way, no circle.
 
 Every import of every module counts, read with `ast`: at module level, inside functions (run when called) and under
-`if TYPE_CHECKING:` (read by type checkers). Over the package's modules they form no circle, but for the listed
-imports a user's call makes (`USER_CALL_IMPORTS`, one per method that makes it). The model (`titans_hf.modeling`)
-imports nothing of the package above it but those, in those methods, and the leaf `titans_hf.files`; its config
-imports no torch model code; importing every module of it loads none of the Hub, LoRA, training, data or task code,
-nor `datasets`; the data code loads no task.
+`if TYPE_CHECKING:` (read by type checkers); over the package's modules they form no circle, call-time imports
+included. The model (`titans_hf.modeling`) imports nothing of the package outside it but the leaf `titans_hf.files`
+and, at call time in the listed functions (`INTEGRATION_IMPORTS`, counted), the two integrations its loading and
+saving use: `titans_hf.lora` (PEFT's adapter beside the memory) and `titans_hf.hub` (the push with its card), which
+import no model code back, as transformers' `PreTrainedModel` uses `integrations/peft.py` and `utils/hub.py` below it.
+Its config imports no torch model code; importing every module of it loads none of the Hub, LoRA, training or task
+code (the package's import loads the data code, which registers the builders); the data code loads no task.
 
 A module's import of a package it sits in (`titans_hf`, `titans_hf.modeling`) is no edge: the package's
 `__init__` has run before any of its modules can be imported.
@@ -24,15 +26,16 @@ import titans_hf
 PACKAGE = Path(titans_hf.__file__).resolve().parent
 MODULES = sorted(".".join(("titans_hf", *path.relative_to(PACKAGE).with_suffix("").parts)).removesuffix(".__init__")
                  for path in PACKAGE.rglob("*.py") if path.name != "__main__.py")
-# The imports a user's call makes of code above the model, each inside the method that needs it:
-# (importing module, imported module, method): the call.
-USER_CALL_IMPORTS = {
-    ("titans_hf.modeling.modeling_titans_qwen", "titans_hf.lora", "from_base_and_memory"):
-        "a memory folder's LoRA adapter checked and loaded with it, or PEFT's AutoPeftModel loading a memory",
-    ("titans_hf.modeling.modeling_titans_qwen", "titans_hf.lora", "save_memory"):
+# The model's call-time imports of the integrations below it, each in the function that needs it (PEFT and the
+# card's templates load only for an adapter or a push): (importing module, imported module, function): what for.
+INTEGRATION_IMPORTS = {
+    ("titans_hf.modeling.save_and_load", "titans_hf.lora", "load_on_base"):
+        "a memory folder's LoRA adapter checked before the base loads, and loaded with the memory",
+    ("titans_hf.modeling.save_and_load", "titans_hf.lora", "save_memory"):
         "the model's LoRA adapter saved beside its memory",
-    ("titans_hf.modeling.modeling_titans_qwen", "titans_hf.hub", "push_to_hub"): "push_to_hub of the memory",
+    ("titans_hf.modeling.save_and_load", "titans_hf.hub", "push_memory"): "push_to_hub of the memory",
 }
+INTEGRATIONS = {"titans_hf.lora", "titans_hf.hub"}
 # The package's one leaf module: the atomic write and the file helpers, which import nothing of the package.
 LEAF = "titans_hf.files"
 CONFIG_MODULE = "titans_hf.modeling.configuration_titans_qwen"
@@ -120,50 +123,71 @@ def reachable(graph: dict[str, dict[str, str]], start: str) -> set[str]:
 def test_imports_are_read_at_module_level_inside_functions_and_for_type_checkers():
     graph = import_graph()
     assert graph["titans_hf.modeling.modeling_titans_qwen"]["titans_hf.modeling.memory"] == "module"
-    assert graph["titans_hf.modeling.modeling_titans_qwen"]["titans_hf.hub"] == "call"
-    assert graph["titans_hf.lora"]["titans_hf.modeling"] == "type"
+    assert graph["titans_hf.modeling.save_and_load"]["titans_hf.hub"] == "call"
     assert graph["titans_hf.lora"]["titans_hf.modeling.memory_folder"] == "module"
     assert "titans_hf" not in graph["titans_hf.lora"]  # no module is imported before its own package's __init__
-    modeling = imports_in("titans_hf.modeling.modeling_titans_qwen")
-    assert ("titans_hf.hub", "call", "push_to_hub") in modeling  # the method it sits in
-    assert ("titans_hf.modeling.memory", "module", None) in modeling
+    assert ("titans_hf.modeling.configuration_titans_qwen", "type", None) in imports_in("titans_hf.hub")
+    loading = imports_in("titans_hf.modeling.save_and_load")
+    assert ("titans_hf.hub", "call", "push_memory") in loading  # the function it sits in
+    assert ("titans_hf.modeling.memory_folder", "module", None) in loading
 
 
-def test_imports_form_no_circle_but_through_the_listed_user_calls():
-    graph = import_graph()
-    for (name, target, method), call in USER_CALL_IMPORTS.items():
-        assert graph[name].get(target) == "call", f"{name} -> {target} in {method} ({call}): not a call-time import"
-    for name, target in {(name, target) for name, target, _ in USER_CALL_IMPORTS}:
-        del graph[name][target]
+def circle_in(graph: dict[str, dict[str, str]]) -> str | None:
+    """The first import circle of `graph`, written out with each import's kind, or None."""
     state: dict[str, str] = {}
     stack: list[str] = []
 
-    def walk(name: str) -> None:
+    def walk(name: str) -> str | None:
         state[name] = "open"
         stack.append(name)
         for target in sorted(graph[name]):
             if state.get(target) == "open":
                 circle = [*stack[stack.index(target):], target]
-                raise AssertionError("import circle: " + circle[0] + "".join(
-                    f" -({graph[a][b]})-> {b}" for a, b in zip(circle, circle[1:])))
-            if target not in state:
-                walk(target)
+                return circle[0] + "".join(f" -({graph[a][b]})-> {b}" for a, b in zip(circle, circle[1:]))
+            if target not in state and (found := walk(target)) is not None:
+                return found
         stack.pop()
         state[name] = "done"
+        return None
 
-    for name in MODULES:
-        if name not in state:
-            walk(name)
+    for name in sorted(graph):
+        if name not in state and (found := walk(name)) is not None:
+            return found
+    return None
 
 
-def test_the_model_imports_nothing_above_it_but_the_leaf_and_the_listed_user_calls():
-    """Each import of code above the model is a call-time import inside one of the listed methods: one more (at
-    module level, or in another method) fails here, until it is listed."""
-    above = {(name, target, kind, function) for name in MODULES if name.startswith("titans_hf.modeling")
-             for target, kind, function in imports_in(name)
-             if not target.startswith("titans_hf.modeling") and target != LEAF}
-    assert above == {(name, target, "call", method) for name, target, method in USER_CALL_IMPORTS}
+def test_imports_form_no_circle_call_time_imports_included():
+    circle = circle_in(import_graph())
+    assert circle is None, f"import circle: {circle}"
+
+
+def test_a_circle_through_a_call_time_import_is_found():
+    """The model importing the LoRA code inside a method, and the LoRA code importing the model back for type
+    checking: a circle."""
+    graph = import_graph()
+    graph["titans_hf.modeling.modeling_titans_qwen"]["titans_hf.lora"] = "call"
+    graph["titans_hf.lora"]["titans_hf.modeling.modeling_titans_qwen"] = "type"
+    assert circle_in(graph) == ("titans_hf.modeling.modeling_titans_qwen -(call)-> titans_hf.lora -(type)-> "
+                                "titans_hf.modeling.modeling_titans_qwen")
+
+
+def test_the_model_imports_nothing_outside_it_but_the_leaf_and_the_listed_integration_calls():
+    """Each import of code outside the model is the leaf, or a call-time import of an integration inside one of the
+    listed functions: one more (at module level, or in another function) fails here, until it is listed."""
+    outside = {(name, target, kind, function) for name in MODULES if name.startswith("titans_hf.modeling")
+               for target, kind, function in imports_in(name)
+               if not target.startswith("titans_hf.modeling") and target != LEAF}
+    assert outside == {(name, target, "call", function) for name, target, function in INTEGRATION_IMPORTS}
     assert imports_in(LEAF) == set()
+
+
+def test_the_integrations_import_no_model_code():
+    """The LoRA and Hub code reach, of the model, only its config and the memory folder's format: not the model
+    (not even for type checking), so the model's calls into them run one way."""
+    graph = import_graph()
+    for integration in INTEGRATIONS:
+        reached = {name for name in reachable(graph, integration) if name.startswith("titans_hf.modeling")}
+        assert reached <= {CONFIG_MODULE, "titans_hf.modeling.memory_folder"}, (integration, reached)
 
 
 def test_the_config_module_imports_no_torch_model_code():
@@ -175,13 +199,15 @@ def test_the_config_module_imports_no_torch_model_code():
             CONFIG_MODULE} <= reachable(graph, "titans_hf.modeling.modeling_titans_qwen")
 
 
-def test_the_model_loads_no_hub_lora_training_data_or_task_code():
+def test_the_model_loads_no_hub_lora_training_or_task_code():
+    """Importing every module of the model loads nothing beyond them but what the package's import loads (the data
+    code, which registers the builders, and `datasets`): no Hub, LoRA, training, task or command code."""
     modeling = [name for name in MODULES if name.startswith("titans_hf.modeling")]
     loaded = loaded_by(modeling)
-    forbidden = ("titans_hf.hub", "titans_hf.lora", "titans_hf.training", "titans_hf.data", "titans_hf.tasks",
-                 "titans_hf.commands", "datasets")
+    forbidden = ("titans_hf.hub", "titans_hf.lora", "titans_hf.training", "titans_hf.tasks", "titans_hf.commands")
     assert not [name for name in loaded if name.startswith(forbidden)]
     assert "titans_hf.modeling.modeling_titans_qwen" in loaded
+    assert loaded - set(modeling) <= loaded_by(["titans_hf"])
 
 
 def test_the_data_code_loads_no_task_training_or_command_code():
@@ -193,7 +219,9 @@ def test_the_data_code_loads_no_task_training_or_command_code():
 
 def test_the_package_top_names_the_public_api():
     loaded = loaded_by(["titans_hf"])
-    assert "datasets" not in loaded and "titans_hf.training" not in loaded  # the lazy names stay unloaded
+    assert {"datasets", "titans_hf.data"} <= loaded  # the builders' registration, the package's one
+    assert not [name for name in loaded if name.startswith(("titans_hf.training", "titans_hf.lora", "titans_hf.hub",
+                                                            "titans_hf.tasks"))]  # the lazy names stay unloaded
     public = {name: getattr(titans_hf, name) for name in titans_hf.__all__}
     assert public["TitansTrainer"].__module__.startswith("titans_hf.training")
     assert public["add_lora"].__module__ == "titans_hf.lora"

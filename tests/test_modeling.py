@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import titans_hf  # noqa: F401  (registers the Auto classes)
-import titans_hf.modeling.modeling_titans_qwen
+import titans_hf.modeling.streaming
 from titans_hf.modeling import TitansCache, TitansQwenConfig, TitansQwenForCausalLM, TitansQwenModel
 from titans_hf.modeling.memory_folder import is_memory_name
 
@@ -281,8 +281,8 @@ def test_rows_ending_early_stream_to_their_end_only(tiny_qwen3_dir, monkeypatch,
         return out, grads
 
     widths = []
-    stream = model.model._stream
-    monkeypatch.setattr(model.model, "_stream", lambda inputs, *args: widths.append(inputs.shape[1]) or
+    stream = model.model._stream_aligned_rows
+    monkeypatch.setattr(model.model, "_stream_aligned_rows", lambda inputs, *args: widths.append(inputs.shape[1]) or
                         stream(inputs, *args))
     # a whole chunk of padding after the longest row too: the longest rows still run to the end, so the logits kept
     # there are the whole batch's (the rows that stopped earlier have zeros at padding positions)
@@ -548,7 +548,7 @@ def test_previous_chunk_window_keys_move_as_rope_composes(tiny_qwen3_dir):
 
     model = build(tiny_qwen3_dir, attend_previous_chunk=True)
     keys = torch.randn(1, 2, 5, model.config.text_config.head_dim, generator=torch.Generator().manual_seed(14))
-    assert torch.equal(modeling_qwen3.rotate_half(keys), titans_hf.modeling.modeling_titans_qwen.rotate_half(keys))
+    assert torch.equal(modeling_qwen3.rotate_half(keys), titans_hf.modeling.streaming.rotate_half(keys))
     rotary = model.model.rotary_emb
 
     def rotated(positions):
@@ -673,7 +673,7 @@ def test_inputs_embeds_equal_input_ids(tiny_qwen3_dir):
 
 @pytest.mark.parametrize("variant", ["mag", "mal"])
 def test_layer_major_stream_equals_the_chunk_loop(tiny_qwen3_dir, variant):
-    """Chunk-local attention without a cache runs layer by layer over all chunks at once (`_stream_layer_major`);
+    """Chunk-local attention without a cache runs layer by layer over all chunks at once (`_stream_layer_by_layer`);
     it must give what the chunk loop gives: logits, predictions, per-layer hidden states and gradients, with left
     padding, an unfinished last chunk and segments of two chunks (three segments here)."""
     vocab = AutoConfig.from_pretrained(tiny_qwen3_dir).vocab_size
@@ -686,7 +686,7 @@ def test_layer_major_stream_equals_the_chunk_loop(tiny_qwen3_dir, variant):
         model = build(tiny_qwen3_dir, variant=variant, attend_previous_chunk=False, checkpoint_chunks=False).train()
         model.model.LAYER_MAJOR_TOKENS = 16
         with contextlib.nullcontext() if layer_major else model.chunk_by_chunk():
-            assert model.model._runs_layer_major(37, None, False) == layer_major
+            assert model.model._runs_layer_by_layer(37, None) == layer_major
             out = model(ids, attention_mask=mask, labels=labels, logits_to_keep=37, return_predictions=True,
                         output_hidden_states=True)
         out.loss.backward()

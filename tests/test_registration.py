@@ -1,6 +1,7 @@
-"""What importing titans_hf does: transformers' Auto classes know titans_qwen; the datasets builders register
-once, when titans_hf and datasets are both imported, in either order; titans_hf.modeling alone leaves datasets
-untouched; and a datasets release that moves the internals the registration uses fails loudly."""
+"""What importing titans_hf does: transformers' Auto classes know titans_qwen; `import titans_hf` registers the
+datasets builders itself, with no import hook, so `load_dataset` finds them whatever was imported before or after
+(transformers' Trainer, datasets), and importing any of its modules runs that package import; and a datasets release
+that moves the internals the registration uses fails loudly."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ if state["datasets_imported"]:
     state["registered"] = sorted(n for n in _PACKAGED_DATASETS_MODULES if n.startswith("titans_"))
 from transformers import AutoConfig
 state["auto_config"] = AutoConfig.for_model("titans_qwen").model_type
-state["hooks"] = sum(type(f).__name__ == "_RegisterBuildersOnDatasetsImport" for f in sys.meta_path)
+state["hooks"] = sum(type(f).__module__.startswith("titans_hf") for f in sys.meta_path)
 print(json.dumps(state))
 """
 
@@ -30,15 +31,44 @@ def run(imports: str) -> dict:
     return json.loads(result.stdout.splitlines()[-1])
 
 
-def test_importing_the_model_leaves_datasets_untouched():
-    assert run("import titans_hf.modeling") == {"datasets_imported": False, "auto_config": "titans_qwen", "hooks": 1}
+def test_importing_the_model_runs_the_package_import_and_installs_no_import_hook():
+    """`titans_hf.modeling` sits in the package: its import runs `titans_hf`'s, which registers the builders."""
+    assert run("import titans_hf.modeling") == {"datasets_imported": True,
+                                                "registered": ["titans_babilong", "titans_tokens"],
+                                                "auto_config": "titans_qwen", "hooks": 0}
 
 
-@pytest.mark.parametrize("imports", ["import titans_hf\nimport datasets", "import datasets\nimport titans_hf",
-                                     "import titans_hf.data", "import titans_hf.modeling\nimport datasets"])
-def test_the_builders_register_once_datasets_and_titans_hf_are_both_imported(imports):
+@pytest.mark.parametrize("imports", ["import titans_hf", "import titans_hf\nimport datasets",
+                                     "import datasets\nimport titans_hf", "import titans_hf.data"])
+def test_importing_titans_hf_or_its_data_code_registers_the_builders(imports):
     assert run(imports) == {"datasets_imported": True, "registered": ["titans_babilong", "titans_tokens"],
                             "auto_config": "titans_qwen", "hooks": 0}
+
+
+LOAD = """
+import sys
+{imports}
+from datasets import load_dataset
+rows = load_dataset("titans_babilong", task="qa1", length=150, num_samples=4, seed=3, tokenizer=sys.argv[1],
+                    max_length=224, answer_reserve_tokens=8, cache_dir=sys.argv[2])
+print(sum(split.num_rows for split in rows.values()))
+"""
+
+
+@pytest.mark.parametrize("imports", [
+    "import titans_hf\nfrom transformers import Trainer",  # the Trainer probes for datasets before its import
+    "import datasets\nimport titans_hf",
+    "from transformers import Trainer\nimport titans_hf",
+    "import titans_hf.modeling\nfrom transformers import Trainer\nimport titans_hf",
+])
+def test_load_dataset_finds_the_builders_in_a_fresh_process_whatever_the_import_order(imports, tiny_tokenizer_dir,
+                                                                                      tmp_path):
+    """A fresh interpreter, offline: `load_dataset("titans_babilong", ...)` generates its rows by name, however
+    titans_hf, transformers' Trainer and datasets were imported before it."""
+    result = subprocess.run([sys.executable, "-c", LOAD.format(imports=imports), str(tiny_tokenizer_dir),
+                             str(tmp_path / "cache")], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-1] == "4"
 
 
 def test_moved_datasets_internals_fail_loudly(monkeypatch):

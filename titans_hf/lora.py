@@ -12,16 +12,13 @@ Its folder (`save_pretrained`, `push_to_hub`, every `TitansTrainer` checkpoint) 
   keys inside a TitansQwen, so `PeftModel.from_pretrained(<the plain base>, folder)` puts the same LoRA on the base
   alone. Its `base_model_name_or_path` names the folder itself (pushed: the repository), the base plus the memory,
   so that PEFT's `AutoPeftModelForCausalLM.from_pretrained(folder)` loads the whole model, the LoRA counted once.
-  PEFT loads whatever that field names, wherever the file now lies: for a copy of the folder, a moved folder or an
-  edited file it would be another folder's memory under this folder's adapter. When PEFT's loader has titans_hf load
-  a LoRA + memory folder other than the one holding the adapter it was given, titans_hf refuses, naming both
-  (`check_auto_peft_base`).
-  Two cases reach no titans_hf code at all, so titans_hf can neither check nor refuse them: a file edited to name a
-  plain model (the bare base), which transformers loads as its own class and PEFT puts the LoRA on, unchecked (NaN
-  weights included) and without the memory, as `PeftModel.from_pretrained(<the plain base>, folder)` does; and a
-  moved folder whose old place is empty, where transformers fails naming the old place before choosing a model
-  class. Nor can the adapter's files refuse a plain model: inside a TitansQwen the base's modules keep a plain Qwen's
-  names, and PEFT matches `target_modules` and weight keys by name, so what fits the one fits the other.
+  That is PEFT's contract: its auto class loads the model `base_model_name_or_path` names (through
+  `AutoModelForCausalLM`), wherever the adapter's file now lies, and puts the given folder's adapter on it, as
+  `PeftModel.from_pretrained(<that model>, folder)` does. So for a copy of the folder, a moved folder or an edited
+  file, PEFT runs the folder the field names (its memory) under this folder's adapter, and for a file edited to
+  name a plain model, the bare base with the LoRA and no memory. Inside a TitansQwen the base's modules keep a plain
+  Qwen's names, and PEFT matches `target_modules` and weight keys by name, so what fits the one fits the other.
+  `TitansQwenForCausalLM.from_pretrained(folder)` always reads the memory and the adapter that lie together.
 
 `TitansQwenForCausalLM.from_pretrained(folder)` (and `AutoModelForCausalLM`, `from_base_and_memory`) loads the base the
 memory names, the memory, then the adapter (`load_lora`), memory and LoRA trainable as they were saved.
@@ -39,19 +36,19 @@ modules they adapt before any LoRA layer is built.
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from peft import AutoPeftModelForCausalLM, LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
+from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
 from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import check_target_module_exists
 from torch import Tensor, nn
+from transformers import PreTrainedModel
 
 from titans_hf.modeling.memory_folder import (
     ADAPTER_CONFIG_NAME,
@@ -61,9 +58,6 @@ from titans_hf.modeling.memory_folder import (
     load_memory_weights,
     read_safetensors_header,
 )
-
-if TYPE_CHECKING:
-    from titans_hf.modeling import TitansQwenForCausalLM
 
 ADAPTER_NAME = "default"  # PEFT's name for a single adapter; a TitansQwen holds one
 PEFT_KEY_PREFIX = "base_model.model."  # what PEFT puts in front of a module's name in an adapter file
@@ -185,7 +179,7 @@ def _target_names(model: nn.Module, config: LoraConfig, source: str) -> list[str
     return names
 
 
-def add_lora(model: "TitansQwenForCausalLM", lora_config: LoraConfig) -> "TitansQwenForCausalLM":
+def add_lora(model: PreTrainedModel, lora_config: LoraConfig) -> PreTrainedModel:
     """Inject PEFT's LoRA layers, as `lora_config` describes them, into linear modules of the (frozen) base, in
     place; the memory stays trainable beside them.
 
@@ -320,60 +314,11 @@ def adapter_state_dict(model: nn.Module, weights_path: str | Path) -> dict[str, 
     return {_parameter_name(key): tensor for key, tensor in weights.items()}
 
 
-def auto_peft_adapter() -> tuple[str, str | None] | None:
-    """(the folder or Hub id, its revision) whose adapter PEFT's `AutoPeftModelForCausalLM.from_pretrained` is
-    loading, while it loads the model that adapter goes on; None outside such a call.
-
-    PEFT hands the model's loader the path adapter_config.json names and nothing else, and has no public way to ask
-    which folder that file came from: the answer is read from its own call on the stack, the arguments of
-    `AutoPeftModelForCausalLM.from_pretrained` (`pretrained_model_name_or_path`, `revision`, `subfolder`). This is
-    the one place titans_hf reads PEFT's internals; tests/test_hostile_peft.py fails if PEFT moves them."""
-    loader = AutoPeftModelForCausalLM.from_pretrained.__func__.__code__
-    frame = inspect.currentframe()
-    try:
-        while frame is not None and frame.f_code is not loader:
-            frame = frame.f_back
-        if frame is None:
-            return None
-        arguments = frame.f_locals
-        folder = str(arguments["pretrained_model_name_or_path"])
-        subfolder = arguments["kwargs"].get("subfolder")
-        return (os.path.join(folder, subfolder) if subfolder else folder), arguments["revision"]
-    finally:
-        del frame
-
-
-def check_auto_peft_base(adapter: str, adapter_revision: str | None, model: str,
-                         model_revision: str | None) -> None:
-    """Refuse, naming both, the model `model` (at `model_revision`) that PEFT's AutoPeftModel loads for the adapter
-    of `adapter` (at `adapter_revision`) when it is not that same folder (or Hub repository and revision): the adapter
-    of a titans_hf folder goes on the base and memory beside it, and no other folder's."""
-    if Path(adapter).is_dir() or Path(model).is_dir():
-        same = Path(adapter).is_dir() and Path(model).is_dir() and os.path.samefile(adapter, model)
-    else:
-        same = (adapter, adapter_revision) == (model, model_revision)
-    if not same:
-        where = f"{model}{'@' + model_revision if model_revision else ''}"
-        asked = f"{adapter}{'@' + adapter_revision if adapter_revision else ''}"
-        raise ValueError(
-            f"{asked}: its {ADAPTER_CONFIG_NAME} names {where} as the model its adapter goes on, which PEFT's "
-            f"AutoPeftModelForCausalLM would load: another folder's memory under this adapter ({asked} is a copy or "
-            f"a move of {where}, or the file was edited). Load {adapter} itself with "
-            "TitansQwenForCausalLM.from_pretrained (or AutoModelForCausalLM), which reads the memory and adapter "
-            f"beside each other, or save it again (save_pretrained) so that its {ADAPTER_CONFIG_NAME} names it")
-
-
-def load_lora(model: "TitansQwenForCausalLM", name_or_path: str | Path, revision: str | None = None,
-              **hub_kwargs: Any) -> "TitansQwenForCausalLM":
+def load_lora(model: PreTrainedModel, name_or_path: str | Path, revision: str | None = None,
+              **hub_kwargs: Any) -> PreTrainedModel:
     """Put the adapter of a folder or Hub repository (adapter_config.json, adapter_model.safetensors) on `model`, in
     place: the config and the weights' header are checked before any LoRA layer is built. What trained before (the
-    memory) and the LoRA train; the base stays frozen. Returns `model`.
-
-    Called while PEFT's `AutoPeftModelForCausalLM.from_pretrained` loads the model for a folder's adapter, it first
-    checks that `name_or_path` is that folder (`check_auto_peft_base`)."""
-    peft_adapter = auto_peft_adapter()
-    if peft_adapter is not None:
-        check_auto_peft_base(*peft_adapter, str(name_or_path), revision)
+    memory) and the LoRA train; the base stays frozen. Returns `model`."""
     config_path = hub_file(name_or_path, ADAPTER_CONFIG_NAME, revision=revision, **hub_kwargs)
     weights_path = hub_file(name_or_path, ADAPTER_WEIGHTS_NAME, revision=revision, **hub_kwargs)
     config = read_adapter_config(config_path)
