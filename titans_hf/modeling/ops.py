@@ -28,11 +28,13 @@ The ops, named as `update_rule` spells them:
   every chunk.
 * :func:`delta`: the delta rule (linear memory): every token's step at the weights the tokens before it left, solved
   chunk-parallel in the WY form of DeltaNet's chunkwise algorithm, then forgetting and the norm cap.
-* :func:`naive`: both rules as plain loops over rows, chunks and tokens, each token's inner gradient by autograd.
+* :func:`naive`: any rule as plain loops over rows, chunks and tokens, each token's inner gradient by autograd; a
+  rule's `reference` (:func:`gradient_reference`, :func:`delta_reference`) writes one row's chunk.
 
-Kernel seam: :data:`UPDATE_OPS` holds each rule's implementations (:class:`UpdateRuleOps`), and a `NeuralMemory`
-binds one of them when it is built: the rule's `kernel` when one is set, else its torch op (the linear memory's own
-where the rule has one); a rule that runs on the linear memory alone (the delta rule) refuses any other memory there.
+Kernel seam: :data:`UPDATE_OPS` holds each rule's settings (:class:`~.update_rules.UpdateRule`, what the config
+checks and resolves) and implementations (:class:`UpdateRuleOps`), and a `NeuralMemory` binds one of them when it is
+built: the rule's `kernel` when one is set, else its torch op (the linear memory's own where the rule has one); a
+rule that runs on the linear memory alone (the delta rule) refuses any other memory there.
 A kernel of the same signature (a Triton WY step, say) plugs in with ``UPDATE_OPS["delta"].kernel =
 chunk_delta_kernel``, before the model is built; it must serve every memory its rule runs on and may return the
 momentum as it came if its rule does not use it (the delta rule).
@@ -40,12 +42,15 @@ momentum as it came if its rule does not use it (the delta rule).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import Tensor
+
+from .update_rules import UPDATE_RULES, UpdateRule
 
 
 class MemoryFunction(Protocol):
@@ -245,13 +250,12 @@ def delta(q: Tensor, k: Tensor, v: Tensor, lr2: Tensor, etas: Sequence[Tensor], 
 def naive(q: Tensor, k: Tensor, v: Tensor, lr2: Tensor, etas: Sequence[Tensor], keeps: Sequence[Tensor],
           valids: Sequence[Tensor | None], weights: list[Tensor], momentum: list[Tensor], grad_point: list[Tensor],
           first_chunk: int, settings: UpdateSettings) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:
-    """Either rule (``settings.update_rule``) restated token by token: plain loops over rows, update chunks and
-    tokens, each token's inner gradient ``grad_W (lr2 / 2) ||M_W(k_t) - v_t||^2`` by autograd on ``settings.model``
-    (differentiable when grad mode is on). The gradient rule sums a chunk's token gradients at the gradient point,
-    clips the sum and applies momentum and forgetting; the delta rule steps token after token from the current
-    weights, then forgets and caps the norm. The reference the tests hold the other ops to; slow."""
+    """Any rule (``settings.update_rule``) restated token by token: plain loops over rows and update chunks, each
+    whole chunk written by its rule's `reference` (:class:`UpdateRuleOps`), each token's inner gradient
+    ``grad_W (lr2 / 2) ||M_W(k_t) - v_t||^2`` by autograd on ``settings.model`` (differentiable when grad mode is on).
+    The reference the tests hold the other ops to; slow."""
     model, C, m = settings.model, settings.memory_chunk_size, settings.chunks_per_batch
-    clip, cap = settings.max_surprise_norm, settings.max_memory_norm
+    reference = UPDATE_OPS[settings.update_rule].reference
     rows, N, _ = q.shape
     n_full = N // C
 
@@ -264,6 +268,7 @@ def naive(q: Tensor, k: Tensor, v: Tensor, lr2: Tensor, etas: Sequence[Tensor], 
 
     reads, out_weights, out_momentum, out_points = [], [], [], []
     for row in range(rows):
+        row_gradient = functools.partial(token_gradient, row=row)
         W, S, P = [w[row] for w in weights], [s[row] for s in momentum], [p[row] for p in grad_point]
         row_reads = []
         for j in range(n_full + (N > n_full * C)):
@@ -271,22 +276,7 @@ def naive(q: Tensor, k: Tensor, v: Tensor, lr2: Tensor, etas: Sequence[Tensor], 
             row_reads += [model(W, q[row, t:t + 1]) for t in tokens]
             if len(tokens) < C:
                 break
-            if settings.update_rule == "delta":
-                stepped = W
-                for t in tokens:
-                    stepped = [w - g for w, g in zip(stepped, token_gradient(stepped, t, row))]
-                new_W = [keeps[j][row] * w + (s - w) for w, s in zip(W, stepped)]
-                norm = torch.sqrt(sum(w.square().sum() for w in new_W))
-                new_W, new_S = [w * cap / norm.clamp(min=cap) for w in new_W], S
-            else:
-                surprise = [torch.zeros_like(w) for w in W]
-                for t in tokens:
-                    surprise = [s + g for s, g in zip(surprise, token_gradient(P, t, row))]
-                if clip is not None:
-                    norm = torch.sqrt(sum(s.square().sum() for s in surprise))
-                    surprise = [s * clip / norm.clamp(min=clip) for s in surprise]
-                new_S = [etas[j][row] * s - g for s, g in zip(S, surprise)]
-                new_W = [keeps[j][row] * w + s for w, s in zip(W, new_S)]
+            new_W, new_S = reference(W, S, P, tokens, row_gradient, etas[j][row], keeps[j][row], settings)
             if valids[j] is None or bool(valids[j][row]):
                 W, S = new_W, new_S
             if (first_chunk + j + 1) % m == 0:
@@ -302,24 +292,77 @@ def naive(q: Tensor, k: Tensor, v: Tensor, lr2: Tensor, etas: Sequence[Tensor], 
     return torch.stack(reads), new_weights, stack(out_momentum), new_weights if shared else stack(out_points)
 
 
+class TokenGradient(Protocol):
+    """One row's inner gradient of token `t` at the weights `point`, as :func:`naive` gives it to a reference."""
+
+    def __call__(self, point: list[Tensor], t: int) -> list[Tensor]: ...
+
+
+class ChunkReference(Protocol):
+    """A rule token by token on one row's whole update chunk (`tokens`), from its weights, momentum and gradient
+    point, with the chunk's momentum gate `eta` and ``keep = 1 - alpha``: the new weights and momentum."""
+
+    def __call__(self, weights: list[Tensor], momentum: list[Tensor], grad_point: list[Tensor], tokens: range,
+                 token_gradient: TokenGradient, eta: Tensor, keep: Tensor, settings: UpdateSettings
+                 ) -> tuple[list[Tensor], list[Tensor]]: ...
+
+
+def gradient_reference(weights: list[Tensor], momentum: list[Tensor], grad_point: list[Tensor], tokens: range,
+                       token_gradient: TokenGradient, eta: Tensor, keep: Tensor, settings: UpdateSettings
+                       ) -> tuple[list[Tensor], list[Tensor]]:
+    """The gradient rule on one row's whole update chunk, token by token: the tokens' gradients at the gradient
+    point summed, the sum clipped, then momentum and forgetting. Returns the new weights and momentum."""
+    clip = settings.max_surprise_norm
+    surprise = [torch.zeros_like(w) for w in weights]
+    for t in tokens:
+        surprise = [s + g for s, g in zip(surprise, token_gradient(grad_point, t))]
+    if clip is not None:
+        norm = torch.sqrt(sum(s.square().sum() for s in surprise))
+        surprise = [s * clip / norm.clamp(min=clip) for s in surprise]
+    new_momentum = [eta * s - g for s, g in zip(momentum, surprise)]
+    return [keep * w + s for w, s in zip(weights, new_momentum)], new_momentum
+
+
+def delta_reference(weights: list[Tensor], momentum: list[Tensor], grad_point: list[Tensor], tokens: range,
+                    token_gradient: TokenGradient, eta: Tensor, keep: Tensor, settings: UpdateSettings
+                    ) -> tuple[list[Tensor], list[Tensor]]:
+    """The delta rule on one row's whole update chunk, token by token: each token steps from the weights the tokens
+    before it left, then forgetting and the norm cap. Returns the new weights and the momentum as it came."""
+    cap = settings.max_memory_norm
+    stepped = weights
+    for t in tokens:
+        stepped = [w - g for w, g in zip(stepped, token_gradient(stepped, t))]
+    new_weights = [keep * w + (s - w) for w, s in zip(weights, stepped)]
+    norm = torch.sqrt(sum(w.square().sum() for w in new_weights))
+    return [w * cap / norm.clamp(min=cap) for w in new_weights], momentum
+
+
 # ---- the table a memory binds its op from ----
 
 
 @dataclass
 class UpdateRuleOps:
-    """The implementations of one update rule, each an :class:`UpdateOp`.
+    """One update rule: its settings and its implementations, each an :class:`UpdateOp`.
 
     Args:
-        name: the rule, as `update_rule` spells it (its key in :data:`UPDATE_OPS`).
+        rule: what the config knows of the rule (:class:`~.update_rules.UpdateRule`: its name, defaults, limits).
+        reference: the rule token by token on one row's whole update chunk (:class:`ChunkReference`), which
+            :func:`naive` runs.
         torch_op: torch's, for any memory model; None where the rule runs on the linear memory alone.
         linear_op: torch's for the linear memory (``M_W(z) = z + z W``), where the rule has its own.
         kernel: a device kernel that replaces both once set (e.g. ``UPDATE_OPS["delta"].kernel = ...``); None: torch.
     """
 
-    name: str
+    rule: UpdateRule
+    reference: ChunkReference
     torch_op: UpdateOp | None = None
     linear_op: UpdateOp | None = None
     kernel: UpdateOp | None = None
+
+    @property
+    def name(self) -> str:
+        """The rule, as `update_rule` spells it (its key in :data:`UPDATE_OPS`)."""
+        return self.rule.name
 
     def bind(self, linear_memory: bool) -> UpdateOp:
         """The op a memory runs, chosen once when it is built: the kernel, or else torch's (as Qwen3-Next binds
@@ -327,18 +370,21 @@ class UpdateRuleOps:
         (`linear_memory` false) is refused with a ValueError where the rule runs on the linear memory alone (no
         `torch_op`): its op would read the weights as that memory's single ``W``."""
         if not linear_memory and self.torch_op is None:
+            any_memory = " or ".join(f"update_rule={name!r}" for name, ops in UPDATE_OPS.items()
+                                     if ops.torch_op is not None)
             raise ValueError(f"update_rule={self.name!r} needs the linear memory, M_W(z) = z + z W (memory_model="
-                             "'mlp' with memory_depth 1); this memory is another: set memory_depth=1, or "
-                             "update_rule='gradient' for a deeper memory")
+                             f"'mlp' with memory_depth 1); this memory is another: set memory_depth=1, or "
+                             f"{any_memory} for a deeper memory")
         if self.kernel is not None:
             return self.kernel
         return self.linear_op if linear_memory and self.linear_op is not None else self.torch_op
 
 
-# Every update rule's implementations, by the name `update_rule` gives it (its keys: the config's UPDATE_RULES)
+# Every update rule's settings and implementations, by the name `update_rule` gives it (the keys of UPDATE_RULES, the
+# config's, in the same order). A rule is its entry in UPDATE_RULES and its line here.
 UPDATE_OPS: dict[str, UpdateRuleOps] = {rule.name: rule for rule in (
-    UpdateRuleOps("gradient", torch_op=gradient, linear_op=gradient_linear),
-    UpdateRuleOps("delta", linear_op=delta),
+    UpdateRuleOps(UPDATE_RULES["gradient"], gradient_reference, torch_op=gradient, linear_op=gradient_linear),
+    UpdateRuleOps(UPDATE_RULES["delta"], delta_reference, linear_op=delta),
 )}
 
 
