@@ -74,7 +74,7 @@ def reference(mem: NeuralMemory, hidden: torch.Tensor, mask: torch.Tensor | None
     weights = [w.expand(B, -1, -1, -1).flatten(0, 1) for w in mem.initial_weights]
     reads, *_ = ops.naive(rows(q), rows(k), rows(v), rows(2 * theta), etas, keeps, valids, weights,
                           [torch.zeros_like(w) for w in weights], weights, 0,
-                          dataclasses.replace(mem.update_settings, model=memory_fn))
+                          dataclasses.replace(mem.update_settings, memory_function=memory_fn))
     return reads.view(B, H, T, d).transpose(1, 2).reshape(B, T, H * d)
 
 
@@ -484,7 +484,7 @@ def test_forward_only_memory_model_matches_reference(forward_only_models, name, 
     mem = randomise(NeuralMemory(12, 2, 4, memory_depth=depth, memory_expansion=2, conv_kernel=3,
                                  memory_chunk_size=chunk, memory_batch_size=batch, max_lr=0.5 if clip else 0.05,
                                  max_surprise_norm=clip, theta_bias_init=0.0, memory_model=name).double(), 1)
-    assert type(mem.model) is memory.MEMORY_MODELS[name]
+    assert type(mem.memory_function) is memory.MEMORY_MODELS[name]
     hidden = torch.randn(2, 22, 12, dtype=torch.double)
     probe = torch.randn(2, 22, 8, dtype=torch.double)
     reads, _ = mem(hidden)
@@ -542,7 +542,7 @@ def test_memory_model_is_chosen_by_name_and_leaves_state_dict_keys_alone(forward
     with pytest.raises(ValueError, match=r"memory_model must be one of \[.*'mlp'.*\], got 'gated'"):
         NeuralMemory(16, 2, 8, memory_model="gated")
     mem = NeuralMemory(16, 2, 8, memory_depth=2)
-    assert type(mem.model) is MLPMemory and mem.memory_model == "mlp"
+    assert type(mem.memory_function) is MLPMemory and mem.memory_model == "mlp"
     assert set(mem.state_dict()) == {"norm.weight", "to_qkv.weight", "conv_weight", "to_gates.weight",
                                      "to_gates.bias", "initial_weights.0", "initial_weights.1"}
     linear = NeuralMemory(16, 2, 8, memory_depth=2, memory_model="linear")

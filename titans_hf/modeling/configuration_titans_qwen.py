@@ -443,16 +443,16 @@ class TitansQwenConfig(PreTrainedConfig):
             )
         # Tying is decided on the top-level config, but Qwen checkpoints record it in their own config.
         self.tie_word_embeddings = bool(getattr(text, "tie_word_embeddings", False))
-        memory = self.memory_config
-        if memory is None:
-            memory = TitansMemoryConfig()
-        elif isinstance(memory, dict):
-            memory = TitansMemoryConfig.from_dict(memory, source="memory_config")
-        memory = memory.for_base(text)
-        if memory.attend_previous_chunk and set(text.layer_types) != {"full_attention"}:
+        memory_config = self.memory_config
+        if memory_config is None:
+            memory_config = TitansMemoryConfig()
+        elif isinstance(memory_config, dict):
+            memory_config = TitansMemoryConfig.from_dict(memory_config, source="memory_config")
+        memory_config = memory_config.for_base(text)
+        if memory_config.attend_previous_chunk and set(text.layer_types) != {"full_attention"}:
             raise ValueError(f"attend_previous_chunk needs full-attention layers; this base's layer_types are "
                              f"{sorted(set(text.layer_types))}")
-        self.memory_config = memory
+        self.memory_config = memory_config
 
     def to_dict(self) -> dict[str, Any]:
         output = super().to_dict()

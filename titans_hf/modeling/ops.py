@@ -70,17 +70,17 @@ class UpdateSettings:
     """What an update op reads of its memory besides the tokens and the state.
 
     Args:
-        model: the memory model, ``M_W(z)`` as ``model(weights, z)`` (a `memory.MemoryModel`).
+        memory_function: the memory model, ``M_W(z)`` as ``memory_function(weights, z)`` (a `memory.MemoryModel`).
         update_rule: the rule, as `update_rule` spells it ("gradient" or "delta").
         memory_chunk_size: tokens per update chunk.
         chunks_per_batch: update chunks per memory batch (`memory_batch_size` // `memory_chunk_size`).
         max_surprise_norm: the gradient rule's clip ``c`` of each chunk's surprise; None: no clip.
         max_memory_norm: the delta rule's cap on each head's Frobenius norm; None for the gradient rule.
-        explicit_gradient: the model writes its inner gradient out (an `ExplicitMemoryModel`): an update chunk whose
+        explicit_gradient: it writes its inner gradient out (an `ExplicitMemoryModel`): an update chunk whose
             reads and surprise share the current weights then runs as one autograd node (:class:`_ChunkStep`).
     """
 
-    model: MemoryFunction
+    memory_function: MemoryFunction
     update_rule: str
     memory_chunk_size: int
     chunks_per_batch: int
@@ -124,9 +124,10 @@ def gradient(q: Tensor, k: Tensor, v: Tensor, lr2: Tensor, etas: Sequence[Tensor
              valids: Sequence[Tensor | None], weights: list[Tensor], momentum: list[Tensor], grad_point: list[Tensor],
              first_chunk: int, settings: UpdateSettings) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:
     """Titans' chunked rule for any memory model, chunk after chunk: the chunks of a memory batch take their
-    surprise at one shared point in one call of ``model.surprise``; a chunk whose point is the current weights (every
-    chunk when ``chunks_per_batch`` is 1) runs as one fused node when the model writes its inner gradient out."""
-    model, clip = settings.model, settings.max_surprise_norm
+    surprise at one shared point in one call of ``memory_function.surprise``; a chunk whose point is the current
+    weights (every chunk when ``chunks_per_batch`` is 1) runs as one fused node when the memory model writes its inner
+    gradient out."""
+    memory_function, clip = settings.memory_function, settings.max_surprise_norm
     C, m, (BH, N, d) = settings.memory_chunk_size, settings.chunks_per_batch, q.shape
     n_full, L = N // C, len(weights)
     # groups of consecutive full chunks that share one gradient point (the rest of a memory batch)
@@ -148,16 +149,18 @@ def gradient(q: Tensor, k: Tensor, v: Tensor, lr2: Tensor, etas: Sequence[Tensor
             inputs = (*weights, *momentum, qk_parts[g] if qk_parts else torch.cat([q_parts[g], k_parts[g]], 1),
                       v_parts[g], lr2_parts[g], etas[chunk], keeps[chunk])
             if torch.is_grad_enabled():
-                out = _ChunkStep.apply(model, clip, *inputs)
+                out = _ChunkStep.apply(memory_function, clip, *inputs)
                 read, new_weights, new_momentum = out[0], out[1:L + 1], out[L + 1:]
             else:
-                read, new_weights, new_momentum = _ChunkStep.step(model, clip, *inputs)[:3]
+                read, new_weights, new_momentum = _ChunkStep.step(memory_function, clip,
+                                                                  *inputs)[:3]
             reads.append(read)
             weights, momentum = _keep_rows_without_tokens(new_weights, new_momentum, weights, momentum,
                                                           valids[chunk])
         else:
             split = lambda t: t.unflatten(1, (n, C))  # noqa: E731
-            grads = model.surprise(grad_point, split(k_parts[g]), split(v_parts[g]), split(lr2_parts[g]))
+            grads = memory_function.surprise(grad_point, split(k_parts[g]), split(v_parts[g]),
+                                             split(lr2_parts[g]))
             scale = _clip_scale(grads, clip)
             grads = list(zip(*[g_.unbind(1) for g_ in grads]))
             scales = [None] * n if scale is None else scale.unbind(1)
@@ -167,12 +170,12 @@ def gradient(q: Tensor, k: Tensor, v: Tensor, lr2: Tensor, etas: Sequence[Tensor
                 weights, momentum = _step(weights, momentum, grads[j], scales[j], etas[chunk + j], keeps[chunk + j],
                                           valids[chunk + j])
             stacked = [torch.stack(ws, dim=1) for ws in zip(*read_weights)]
-            reads.append(model(stacked, split(q_parts[g])).flatten(1, 2))
+            reads.append(memory_function(stacked, split(q_parts[g])).flatten(1, 2))
         chunk += n
         if (first_chunk + chunk) % m == 0:
             grad_point = weights
     if N > n_full * C:  # the unfinished chunk reads the latest weights and waits in the buffer
-        reads.append(model(weights, q_parts[-1]))
+        reads.append(memory_function(weights, q_parts[-1]))
     return torch.cat(reads, dim=1) if len(reads) > 1 else reads[0], weights, momentum, grad_point
 
 
@@ -252,9 +255,10 @@ def naive(q: Tensor, k: Tensor, v: Tensor, lr2: Tensor, etas: Sequence[Tensor], 
           first_chunk: int, settings: UpdateSettings) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:
     """Any rule (``settings.update_rule``) restated token by token: plain loops over rows and update chunks, each
     whole chunk written by its rule's `reference` (:class:`UpdateRuleOps`), each token's inner gradient
-    ``grad_W (lr2 / 2) ||M_W(k_t) - v_t||^2`` by autograd on ``settings.model`` (differentiable when grad mode is on).
+    ``grad_W (lr2 / 2) ||M_W(k_t) - v_t||^2`` by autograd on ``settings.memory_function`` (differentiable when grad
+    mode is on).
     The reference the tests hold the other ops to; slow."""
-    model, C, m = settings.model, settings.memory_chunk_size, settings.chunks_per_batch
+    memory_function, C, m = settings.memory_function, settings.memory_chunk_size, settings.chunks_per_batch
     reference = UPDATE_OPS[settings.update_rule].reference
     rows, N, _ = q.shape
     n_full = N // C
@@ -263,7 +267,8 @@ def naive(q: Tensor, k: Tensor, v: Tensor, lr2: Tensor, etas: Sequence[Tensor], 
         outer = torch.is_grad_enabled()
         with torch.enable_grad():
             point = [w if w.requires_grad else w.detach().requires_grad_() for w in point]
-            loss = lr2[row, t] / 2 * (model(point, k[row, t:t + 1]) - v[row, t:t + 1]).square().sum()
+            error = memory_function(point, k[row, t:t + 1]) - v[row, t:t + 1]
+            loss = lr2[row, t] / 2 * error.square().sum()
             return list(torch.autograd.grad(loss, point, create_graph=outer))
 
     reads, out_weights, out_momentum, out_points = [], [], [], []
@@ -273,7 +278,7 @@ def naive(q: Tensor, k: Tensor, v: Tensor, lr2: Tensor, etas: Sequence[Tensor], 
         row_reads = []
         for j in range(n_full + (N > n_full * C)):
             tokens = range(j * C, min(j * C + C, N))
-            row_reads += [model(W, q[row, t:t + 1]) for t in tokens]
+            row_reads += [memory_function(W, q[row, t:t + 1]) for t in tokens]
             if len(tokens) < C:
                 break
             new_W, new_S = reference(W, S, P, tokens, row_gradient, etas[j][row], keeps[j][row], settings)
@@ -429,20 +434,20 @@ class _ChunkStep(torch.autograd.Function):
     under the default ``memory_batch_size = memory_chunk_size``), as a single autograd node: an `ExplicitMemoryModel`'s
     inner gradient, the clip and the update rule, and their reverse.
 
-    Inputs ``(model, clip, *W, *S, [q; k], v, 2 theta, eta, 1 - alpha)``, rows = batch * heads; outputs
-    ``(read, *W_new, *S_new)``. Queries and keys go through the model as one [2C, d] block. Saves the inputs, the
-    error and (with a clip) G; the model recomputes its activations in the backward.
+    Inputs ``(memory_function, clip, *W, *S, [q; k], v, 2 theta, eta, 1 - alpha)``, rows = batch * heads; outputs
+    ``(read, *W_new, *S_new)``. Queries and keys go through the memory model as one [2C, d] block. Saves the inputs,
+    the error and (with a clip) G; the memory model recomputes its activations in the backward.
     """
 
     @staticmethod
-    def step(model: MemoryFunction, clip: float | None, *tensors: Tensor
+    def step(memory_function: MemoryFunction, clip: float | None, *tensors: Tensor
              ) -> tuple[Tensor, list[Tensor], list[Tensor], Tensor, list[Tensor], Tensor | None, Tensor | None]:
         """The forward arithmetic: ``(read, W_new, S_new, err, G, ||G||, scale)`` (the last two None without a
         clip). Called directly where no gradient is wanted (no autograd node to build or inputs to save)."""
-        L = len(model.shapes)
+        L = len(memory_function.shapes)
         W, S = tensors[:L], tensors[L:2 * L]
         qk, values, lr2, eta, keep = tensors[2 * L:]
-        reads, err, grads = model.inner_gradient(W, qk, values, lr2, values.shape[1])
+        reads, err, grads = memory_function.inner_gradient(W, qk, values, lr2, values.shape[1])
         norm = scale = None
         if clip is not None:
             norm = _dots(grads, grads).sqrt_()
@@ -454,12 +459,13 @@ class _ChunkStep(torch.autograd.Function):
         return reads, new_W, new_S, err, grads, norm, scale
 
     @staticmethod
-    def forward(ctx, model: MemoryFunction, clip: float | None, *tensors: Tensor) -> tuple[Tensor, ...]:
-        L = len(model.shapes)
-        reads, new_W, new_S, err, grads, norm, scale = _ChunkStep.step(model, clip, *tensors)
+    def forward(ctx, memory_function: MemoryFunction, clip: float | None, *tensors: Tensor
+                ) -> tuple[Tensor, ...]:
+        L = len(memory_function.shapes)
+        reads, new_W, new_S, err, grads, norm, scale = _ChunkStep.step(memory_function, clip, *tensors)
         W, S = tensors[:L], tensors[L:2 * L]
         qk, _, lr2, eta, keep = tensors[2 * L:]
-        ctx.model, ctx.clip = model, clip
+        ctx.memory_function, ctx.clip = memory_function, clip
         ctx.save_for_backward(*W, *S, qk, lr2, eta, keep, err,
                               *((*grads, norm, scale) if clip is not None else ()))
         return (reads, *new_W, *new_S)
@@ -467,8 +473,8 @@ class _ChunkStep(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_read: Tensor | None, *g_out: Tensor | None) -> tuple[Tensor | None, ...]:
-        model, clip = ctx.model, ctx.clip
-        L, saved = len(model.shapes), ctx.saved_tensors
+        memory_function, clip = ctx.memory_function, ctx.clip
+        L, saved = len(memory_function.shapes), ctx.saved_tensors
         W, S = saved[:L], saved[L:2 * L]
         qk, lr2, eta, keep, err = saved[2 * L:2 * L + 5]
         gW_new = [torch.zeros_like(w) if g is None else g for g, w in zip(g_out[:L], W)]
@@ -490,5 +496,6 @@ class _ChunkStep(torch.autograd.Function):
             coef = torch.where(norm > clip, g_scale * -clip / norm.clamp(min=clip) ** 3, 0.0)
             gG = [g.addcmul_(coef, G) for g, G in zip(gG, grads)]
 
-        g_qk, g_values, g_lr2 = model.inner_gradient_backward(W, qk, err, lr2, err.shape[1], g_read, gG, gW)
+        g_qk, g_values, g_lr2 = memory_function.inner_gradient_backward(W, qk, err, lr2, err.shape[1], g_read, gG,
+                                                                        gW)
         return (None, None, *gW, *gS, g_qk, g_values, g_lr2, g_eta, g_keep)
