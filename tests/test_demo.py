@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from titans_hf.commands import main as cli_main
-from titans_hf.commands.demo_job import build_demo_tokenizer, domain_documents, run_demo
+from titans_hf.commands.demo_job import DemoSettings, build_demo_tokenizer, domain_documents, run_demo
 from titans_hf.files import file_sha256
 from titans_hf.modeling import TitansQwenForCausalLM
 from titans_hf.modeling.memory_folder import is_memory_name
@@ -42,8 +42,7 @@ def png_size(path) -> tuple[int, int]:
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     output = tmp_path_factory.mktemp("demo")
-    return run_demo(
-        output_dir=output,
+    return run_demo(output, DemoSettings(
         train_chunks=(0, 3),
         eval_chunks=(3, 4),
         pretrain_steps=4,
@@ -52,8 +51,7 @@ def demo(tmp_path_factory):
         batch_size=4,
         max_steps=3,
         seed=0,
-        show_progress=False,
-    )
+    ), show_progress=False)
 
 
 def test_demo_tokenizer_makes_every_task_word_one_token(tmp_path):
@@ -209,8 +207,9 @@ def test_demo_main_rejects_bad_lengths(tmp_path):
 
 
 def test_demo_with_a_given_model_skips_stage_a(tiny_qwen3_dir, tmp_path):
-    demo = run_demo(output_dir=tmp_path, model=str(tiny_qwen3_dir), train_chunks=(0, 3), eval_chunks=(3,),
-                    num_train_samples=4, num_eval_samples=3, batch_size=4, max_steps=2, show_progress=False)
+    demo = run_demo(tmp_path, DemoSettings(base=str(tiny_qwen3_dir), train_chunks=(0, 3), eval_chunks=(3,),
+                                           num_train_samples=4, num_eval_samples=3, batch_size=4, max_steps=2),
+                    show_progress=False)
     assert demo["paths"]["base"] is None and not (tmp_path / "base").exists()
     assert "stage_a_s" not in demo["run_info"]["timings"]
     config = json.loads((demo["paths"]["memory"] / "memory_config.json").read_text())
@@ -377,8 +376,9 @@ def test_embedding_similarity_measures_whether_names_share_one_vector(tmp_path):
 
 
 def test_demo_runs_qa3_whose_stories_never_fit_one_chunk(tmp_path):
-    demo = run_demo(output_dir=tmp_path, task="qa3", train_chunks=(0, 4), eval_chunks=(4,), pretrain_steps=2,
-                    num_train_samples=6, num_eval_samples=3, batch_size=3, max_steps=2, show_progress=False)
+    demo = run_demo(tmp_path, DemoSettings(task="qa3", train_chunks=(0, 4), eval_chunks=(4,), pretrain_steps=2,
+                                           num_train_samples=6, num_eval_samples=3, batch_size=3, max_steps=2),
+                    show_progress=False)
     accuracy = demo["run_info"]["base_accuracy"]
     # every bare qa3 story is longer than a chunk: the base is scored on bare stories of any length instead
     assert not accuracy["fits_one_chunk"] and accuracy["max_prompt_tokens"] > 32

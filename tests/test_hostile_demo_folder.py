@@ -55,9 +55,9 @@ def training_after_a_file_put_into_data(train):
 
 
 def small_demo(output: Path, model_dir: Path, overwrite: bool = False) -> dict:
-    return demo_job.run_demo(output_dir=output, model=str(model_dir), train_chunks=(0, 3), eval_chunks=(3,),
-                             num_train_samples=8, num_eval_samples=2, batch_size=4, max_steps=1, overwrite=overwrite,
-                             show_progress=False)
+    settings = demo_job.DemoSettings(base=str(model_dir), train_chunks=(0, 3), eval_chunks=(3,), num_train_samples=8,
+                                     num_eval_samples=2, batch_size=4, max_steps=1)
+    return demo_job.run_demo(output, settings, overwrite=overwrite, show_progress=False)
 
 
 def test_a_failed_demo_removes_what_it_wrote_and_keeps_a_file_put_there_meanwhile(tmp_path, tiny_qwen3_dir,

@@ -22,11 +22,13 @@ from test_modeling import SMALL_MEMORY, build, random_ids
 
 from titans_hf.modeling import TitansCache, TitansQwenForCausalLM
 from titans_hf.modeling.configuration_titans_qwen import (
-    MAX_GRADIENT_RULE_LR,
     MEMORY_CONFIG_FORMAT_VERSION,
     TitansMemoryConfig,
     read_memory_config,
 )
+from titans_hf.modeling.update_rules import UPDATE_RULES
+
+MAX_GRADIENT_RULE_LR = UPDATE_RULES["gradient"].max_lr
 
 
 @pytest.fixture(autouse=True)
@@ -136,7 +138,8 @@ def test_a_config_file_from_before_the_first_release_is_refused_naming_it(tmp_pa
     (dict(memory_chunk_size=4, memory_batch_size=8), r"update_rule='delta' .* \(got 'mlp', 1, 8\)"),
     (dict(update_rule="gradient", memory_chunk_size=64, memory_batch_size=100),
      r"memory_batch_size=100 must be a multiple of memory_chunk_size \(64\) and at least it"),
-    (dict(max_lr=0.6), r"update_rule='delta' needs max_lr <= 0.5 .*got 0.6"),
+    (dict(max_lr=0.6), r"max_lr=0.6: update_rule='delta' needs max_lr <= 0.5 \(a step 2 theta <= 1 keeps each "
+                       r"write a contraction along its key\)"),
     (dict(update_rule="gradient", max_memory_norm=3.0), r"max_memory_norm bounds the delta rule's state"),
     (dict(variant="mac"), r"variant 'mac' needs num_memory_tokens >= 1"),
     (dict(num_persistent_tokens=2), r"num_memory_tokens / num_persistent_tokens are only used by variant 'mac', got "

@@ -192,8 +192,11 @@ def test_the_integrations_import_no_model_code():
 
 def test_the_config_module_imports_no_torch_model_code():
     graph = import_graph()
-    # like transformers' configuration_qwen2.py: the settings, the folder format's file names, the atomic write
-    assert reachable(graph, CONFIG_MODULE) <= {"titans_hf.modeling.memory_folder", LEAF}
+    # like transformers' configuration_qwen2.py: the settings, each update rule's defaults and limits, the folder
+    # format's file names, the atomic write
+    assert reachable(graph, CONFIG_MODULE) <= {"titans_hf.modeling.memory_folder", "titans_hf.modeling.update_rules",
+                                               LEAF}
+    assert graph["titans_hf.modeling.update_rules"] == {}
     # what the model itself reaches, for contrast: the memory, the variants, the cache
     assert {"titans_hf.modeling.memory", "titans_hf.modeling.variants", "titans_hf.modeling.cache_titans_qwen",
             CONFIG_MODULE} <= reachable(graph, "titans_hf.modeling.modeling_titans_qwen")

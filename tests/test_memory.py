@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from titans_hf.modeling import configuration_titans_qwen, memory, ops, variants
+from titans_hf.modeling import configuration_titans_qwen, memory, ops, update_rules, variants
 from titans_hf.modeling.memory import MemoryModel, MemoryState, MLPMemory, NeuralMemory
 
 
@@ -74,7 +74,7 @@ def reference(mem: NeuralMemory, hidden: torch.Tensor, mask: torch.Tensor | None
     weights = [w.expand(B, -1, -1, -1).flatten(0, 1) for w in mem.initial_weights]
     reads, *_ = ops.naive(rows(q), rows(k), rows(v), rows(2 * theta), etas, keeps, valids, weights,
                           [torch.zeros_like(w) for w in weights], weights, 0,
-                          dataclasses.replace(mem.update_settings, model=memory_fn))
+                          dataclasses.replace(mem.update_settings, memory_function=memory_fn))
     return reads.view(B, H, T, d).transpose(1, 2).reshape(B, T, H * d)
 
 
@@ -484,7 +484,7 @@ def test_forward_only_memory_model_matches_reference(forward_only_models, name, 
     mem = randomise(NeuralMemory(12, 2, 4, memory_depth=depth, memory_expansion=2, conv_kernel=3,
                                  memory_chunk_size=chunk, memory_batch_size=batch, max_lr=0.5 if clip else 0.05,
                                  max_surprise_norm=clip, theta_bias_init=0.0, memory_model=name).double(), 1)
-    assert type(mem.model) is memory.MEMORY_MODELS[name]
+    assert type(mem.memory_function) is memory.MEMORY_MODELS[name]
     hidden = torch.randn(2, 22, 12, dtype=torch.double)
     probe = torch.randn(2, 22, 8, dtype=torch.double)
     reads, _ = mem(hidden)
@@ -542,7 +542,7 @@ def test_memory_model_is_chosen_by_name_and_leaves_state_dict_keys_alone(forward
     with pytest.raises(ValueError, match=r"memory_model must be one of \[.*'mlp'.*\], got 'gated'"):
         NeuralMemory(16, 2, 8, memory_model="gated")
     mem = NeuralMemory(16, 2, 8, memory_depth=2)
-    assert type(mem.model) is MLPMemory and mem.memory_model == "mlp"
+    assert type(mem.memory_function) is MLPMemory and mem.memory_model == "mlp"
     assert set(mem.state_dict()) == {"norm.weight", "to_qkv.weight", "conv_weight", "to_gates.weight",
                                      "to_gates.bias", "initial_weights.0", "initial_weights.1"}
     linear = NeuralMemory(16, 2, 8, memory_depth=2, memory_model="linear")
@@ -646,11 +646,63 @@ def test_the_configs_names_are_the_registries_keys_and_the_config_imports_no_mod
     model code (as a transformers config imports no model); each tuple must be its registry's keys."""
     assert tuple(variants.MEMORY_VARIANTS) == configuration_titans_qwen.VARIANTS == ("mag", "mal", "mac")
     assert tuple(memory.MEMORY_MODELS) == configuration_titans_qwen.MEMORY_MODEL_NAMES == ("mlp",)
-    assert tuple(ops.UPDATE_OPS) == configuration_titans_qwen.UPDATE_RULES == ("gradient", "delta")
-    tree = ast.parse(inspect.getsource(configuration_titans_qwen))
-    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    assert not imported & {"memory", "variants", "ops", "modeling_titans_qwen", "torch"}, imported
+    assert tuple(ops.UPDATE_OPS) == tuple(configuration_titans_qwen.UPDATE_RULES) == ("gradient", "delta")
+    # each rule's entry of the op table carries the very settings the config checks and resolves
+    assert all(entry.rule is update_rules.UPDATE_RULES[name] for name, entry in ops.UPDATE_OPS.items())
+    assert configuration_titans_qwen.UPDATE_RULES is update_rules.UPDATE_RULES
+    # a rule that writes every token runs on the linear memory alone: it has no op for any other memory
+    assert all(entry.rule.writes_every_token == (entry.torch_op is None) for entry in ops.UPDATE_OPS.values())
+    for module in (configuration_titans_qwen, update_rules):
+        tree = ast.parse(inspect.getsource(module))
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        assert not imported & {"memory", "variants", "ops", "modeling_titans_qwen", "torch"}, imported
+
+
+def test_the_config_takes_each_rules_defaults_and_limits_from_its_entry_alone(monkeypatch):
+    """A rule's defaults, limits and the memories it runs on are its `UpdateRule`'s, read from there by the config (no
+    rule's name in it): a rule added there is resolved and checked by its own values, and an unknown one is refused
+    naming it."""
+    chunked = update_rules.UpdateRule(name="slow", theta_bias_init=-3.5, write_cost=0.25, max_lr=2.0,
+                                      max_lr_reason="a reason of its own", memory_norm_per_sqrt_head_dim=None,
+                                      bounded_by="its forget gate", writes_every_token=False)
+    monkeypatch.setitem(update_rules.UPDATE_RULES, "slow", chunked)
+    config = configuration_titans_qwen.TitansMemoryConfig(update_rule="slow", memory_depth=2, max_lr=2.0)
+    assert (config.theta_bias_init, config.write_cost, config.max_memory_norm) == (-3.5, 0.25, None)
+    with pytest.raises(ValueError, match=r"max_lr=2.5: update_rule='slow' needs max_lr <= 2 \(a reason of its own\)"):
+        configuration_titans_qwen.TitansMemoryConfig(update_rule="slow", max_lr=2.5)
+    with pytest.raises(ValueError, match=r"max_memory_norm bounds the delta rule's state; update_rule='slow' is "
+                                         r"bounded by its forget gate"):
+        configuration_titans_qwen.TitansMemoryConfig(update_rule="slow", max_memory_norm=3.0)
+    stepwise = dataclasses.replace(chunked, name="stepwise", memory_norm_per_sqrt_head_dim=2.0, bounded_by=None,
+                                   writes_every_token=True)
+    monkeypatch.setitem(update_rules.UPDATE_RULES, "stepwise", stepwise)
+    config = configuration_titans_qwen.TitansMemoryConfig(update_rule="stepwise", memory_head_dim=16)
+    assert (config.theta_bias_init, config.max_memory_norm) == (-3.5, 8.0)  # 2 sqrt(16)
+    with pytest.raises(ValueError, match=r"update_rule='stepwise' writes the linear memory token by token: .*\(got "
+                                         r"'mlp', 2, None\); set update_rule='gradient' or update_rule='slow' for"):
+        configuration_titans_qwen.TitansMemoryConfig(update_rule="stepwise", memory_depth=2)
+    with pytest.raises(ValueError, match=r"update_rule='hebb' must be one of \['delta', 'gradient', 'slow', "
+                                         r"'stepwise'\]"):
+        configuration_titans_qwen.TitansMemoryConfig(update_rule="hebb")
+
+
+def test_the_reference_runs_each_rules_own_chunk_step(monkeypatch):
+    """`naive` holds no rule of its own: each whole update chunk is written by its rule's `reference`, one row at a
+    time, with the tokens of that chunk."""
+    calls = []
+
+    def keep_the_weights(weights, momentum, grad_point, tokens, token_gradient, eta, keep, settings):
+        calls.append(list(tokens))
+        return weights, momentum
+
+    monkeypatch.setattr(ops.UPDATE_OPS["gradient"], "reference", keep_the_weights)
+    mem = NeuralMemory(8, 1, 4, memory_depth=1, memory_chunk_size=2, max_lr=0.5, update_rule="gradient")
+    monkeypatch.setattr(mem, "update_op", ops.naive)
+    reads, state = mem(torch.randn(2, 5, 8))
+    assert calls == [[0, 1], [2, 3]] * 2  # two rows, two whole chunks each (the fifth token waits in the buffer)
+    for weight, initial in zip(state.weights, mem.initial_weights):
+        torch.testing.assert_close(weight, initial.unsqueeze(0).expand_as(weight))
 
 
 @pytest.mark.parametrize(("settings", "message"), [

@@ -116,42 +116,57 @@ def evaluate_lm(
                 else:
                     with model.memory_disabled():
                         sums, counts, starts = _per_chunk(model, windows, batch_size, boundary_tokens, bar)
-                losses = [s / c if c else None for s, c in zip(sums, counts)]
-                later = sum(counts[1:])
-                results[mode] = {
-                    "loss": losses,
-                    "perplexity": [None if loss is None else math.exp(loss) for loss in losses],
-                    "tokens": counts,
-                    "loss_first_chunk": losses[0],
-                    "loss_after_first_chunk": sum(sums[1:]) / later if later else None,
-                    "loss_chunk_starts": starts[0] / starts[1] if starts[1] else None,
-                }
+                results[mode] = _summary(sums, counts, starts)
     finally:
         model.train(was_training)
     if ablation:
-        on, off = results["memory"], results["no_memory"]
-
-        def ratio(a, b):
-            return None if a is None or b in (None, 0) else a / b
-
-        results["ratio"] = {
-            "per_chunk": [ratio(a, b) for a, b in zip(on["loss"], off["loss"])],
-            "first_chunk": ratio(on["loss_first_chunk"], off["loss_first_chunk"]),
-            "after_first_chunk": ratio(on["loss_after_first_chunk"], off["loss_after_first_chunk"]),
-            "chunk_starts": ratio(on["loss_chunk_starts"], off["loss_chunk_starts"]),
-        }
+        results["ratio"] = _ratios(results["memory"], results["no_memory"])
     if output_dir is not None:
-        folder = prepare_output_dir(output_dir, LM_OUTPUT_NAMES)
-        (folder / LM_RESULTS_NAME).unlink(missing_ok=True)  # an older one would vouch for the new plot
-        try:
-            plot_loss_per_chunk(results, folder / LM_PLOT_NAME)
-            # last: its presence means the evaluation finished; a loss that is not finite is written as null
-            atomic_write_json(folder / LM_RESULTS_NAME, results)
-        except BaseException:
-            (folder / LM_PLOT_NAME).unlink(missing_ok=True)
-            raise
-        record_outputs(folder, LM_OUTPUT_NAMES, "titans-hf eval --lm")
+        _write_outputs(results, output_dir)
     return results
+
+
+def _summary(sums: list[float], counts: list[int], starts: list[float]) -> dict[str, Any]:
+    """One mode's figures from `_per_chunk`'s sums and counts: the loss, perplexity and tokens per chunk index, and
+    the loss of the first chunk, of every later one and of the chunks' starts (None where no token counts)."""
+    losses = [s / c if c else None for s, c in zip(sums, counts)]
+    later = sum(counts[1:])
+    return {
+        "loss": losses,
+        "perplexity": [None if loss is None else math.exp(loss) for loss in losses],
+        "tokens": counts,
+        "loss_first_chunk": losses[0],
+        "loss_after_first_chunk": sum(sums[1:]) / later if later else None,
+        "loss_chunk_starts": starts[0] / starts[1] if starts[1] else None,
+    }
+
+
+def _ratios(on: dict[str, Any], off: dict[str, Any]) -> dict[str, Any]:
+    """Memory on over memory off, per chunk index and for each summary loss (None where either has no loss)."""
+    def ratio(a, b):
+        return None if a is None or b in (None, 0) else a / b
+
+    return {
+        "per_chunk": [ratio(a, b) for a, b in zip(on["loss"], off["loss"])],
+        "first_chunk": ratio(on["loss_first_chunk"], off["loss_first_chunk"]),
+        "after_first_chunk": ratio(on["loss_after_first_chunk"], off["loss_after_first_chunk"]),
+        "chunk_starts": ratio(on["loss_chunk_starts"], off["loss_chunk_starts"]),
+    }
+
+
+def _write_outputs(results: dict[str, Any], output_dir: str | os.PathLike) -> None:
+    """lm_results.json and the plot into `output_dir`; the results last, so that their presence means the evaluation
+    finished."""
+    folder = prepare_output_dir(output_dir, LM_OUTPUT_NAMES)
+    (folder / LM_RESULTS_NAME).unlink(missing_ok=True)  # an older one would vouch for the new plot
+    try:
+        plot_loss_per_chunk(results, folder / LM_PLOT_NAME)
+        # a loss that is not finite is written as null
+        atomic_write_json(folder / LM_RESULTS_NAME, results)
+    except BaseException:
+        (folder / LM_PLOT_NAME).unlink(missing_ok=True)
+        raise
+    record_outputs(folder, LM_OUTPUT_NAMES, "titans-hf eval --lm")
 
 
 def plot_loss_per_chunk(results: dict[str, Any], path: str | os.PathLike) -> Path:

@@ -31,17 +31,17 @@ def add_model_arguments(parser: argparse.ArgumentParser, device_default: str | N
                         ) -> argparse._ArgumentGroup:
     """The group "the model" of the commands that load a memory to evaluate it (`load_model_for_eval`'s inputs):
     --model, --memory, --tokenizer, --dtype, --device."""
-    model = parser.add_argument_group("the model")
-    model.add_argument("--model", required=True, type=local_or_hub,
+    group = parser.add_argument_group("the model")
+    group.add_argument("--model", required=True, type=local_or_hub,
                        help="a memory folder or Hub id (it names its base), a base Qwen (with --memory), or a full "
                        "TitansQwen folder")
-    model.add_argument("--memory", default=None, type=local_or_hub,
+    group.add_argument("--memory", default=None, type=local_or_hub,
                        help="memory folder or Hub id, to put on the --model base")
-    model.add_argument("--tokenizer", default=None, type=local_or_hub,
+    group.add_argument("--tokenizer", default=None, type=local_or_hub,
                        help="tokenizer name or path (default: the base model's)")
-    model.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    model.add_argument("--device", default=device_default, help=device_help)
-    return model
+    group.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    group.add_argument("--device", default=device_default, help=device_help)
+    return group
 
 
 def one_spelling(argv: list[str]) -> list[str]:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import logging
 
-from titans_hf.commands.demo_job import run_demo
+from titans_hf.commands.demo_job import DemoSettings, run_demo
+from titans_hf.modeling.configuration_titans_qwen import VARIANTS
+from titans_hf.modeling.update_rules import UPDATE_RULES
 from titans_hf.tasks.babilong import GENERATED_TASKS
 from titans_hf.tasks.babilong.evaluation import format_distance_table, format_results_table
 
@@ -46,10 +48,10 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-steps", type=int, default=-1, help="stop stage b after this many steps (-1: the epochs)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--learning-rate", type=float, default=3e-3)
-    parser.add_argument("--variant", default=None, choices=["mag", "mal", "mac"], help="default: the config's")
+    parser.add_argument("--variant", default=None, choices=VARIANTS, help="default: the config's")
     parser.add_argument("--memory-layers", type=int, nargs="+", default=None, help="default: the config's")
     parser.add_argument("--memory-depth", type=int, default=None, help="default: the config's")
-    parser.add_argument("--update-rule", default=None, choices=["delta", "gradient"],
+    parser.add_argument("--update-rule", default=None, choices=sorted(UPDATE_RULES),
                         help="default: the config's (delta; a memory deeper than 1 needs gradient)")
     parser.add_argument("--state-passing", type=float, default=0.5,
                         help="share of training rows whose memory starts where another row's ended (0 to 1)")
@@ -69,9 +71,8 @@ def demo_command(args: argparse.Namespace) -> int:
                  "update_rule": args.update_rule}
     if args.variant == "mac":
         overrides["num_memory_tokens"] = 4
-    demo = run_demo(
-        output_dir=args.output_dir,
-        model=args.model,
+    settings = DemoSettings(
+        base=args.model,
         task=args.task,
         chunk_size=args.chunk_size,
         train_chunks=tuple(args.train_chunks),
@@ -87,11 +88,10 @@ def demo_command(args: argparse.Namespace) -> int:
         staged_curriculum=args.curriculum == "staged",
         state_passing=args.state_passing,
         haystacks=tuple(args.haystack),
-        overwrite=args.overwrite,
         memory_settings={key: value for key, value in overrides.items() if value is not None},
         seed=args.seed,
-        threads=args.threads,
     )
+    demo = run_demo(args.output_dir, settings, overwrite=args.overwrite, threads=args.threads)
     info = demo["run_info"]
     timings = info["timings"]
     print()
@@ -117,8 +117,9 @@ def demo_command(args: argparse.Namespace) -> int:
     settings = info["memory_settings"]
     for length in info["eval_lengths"]:
         updates = length // settings["memory_chunk_size"]
-        written = (f"up to {length:,} writes over a fact (the delta rule writes every token)"
-                   if settings["update_rule"] == "delta" else f"up to {updates:,} writes over a fact")
+        written = (f"up to {length:,} writes over a fact (the {settings['update_rule']} rule writes every token)"
+                   if UPDATE_RULES[settings["update_rule"]].writes_every_token
+                   else f"up to {updates:,} writes over a fact")
         print(f"  {length:,} tokens: {written}; {length // info['chunk_size']:,} chunks, {updates:,} memory updates "
               f"of {settings['memory_chunk_size']} tokens")
     print(f"\nby distance from the supporting fact to the question:\n{format_distance_table(demo['results'])}")

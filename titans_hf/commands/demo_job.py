@@ -24,6 +24,8 @@ import logging
 import math
 import random
 import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -245,8 +247,8 @@ def write_training_files(data_dir: str | Path, rows_by_length: dict[int, list[di
             for length, rows in rows_by_length.items()]
 
 
-def row_chunks(rows: list[dict[str, str]], tokenizer, chunk_size: int) -> list[int]:
-    """Chunks each row fills as a training example (prompt and answer)."""
+def row_chunks(rows: Sequence[Mapping[str, str]], tokenizer, chunk_size: int) -> list[int]:
+    """Chunks each BABILong row fills as a training example (prompt and answer)."""
     texts = [PROMPT_TEMPLATE.format(**row) + f" {row['target']}" for row in rows]
     return [math.ceil(len(ids) / chunk_size) for ids in tokenizer(texts)["input_ids"]]
 
@@ -293,31 +295,9 @@ def plot_loss_curve(log_history: list[dict[str, Any]], path: str | Path, steps_p
     return Path(path)
 
 
-def run_demo(
-    output_dir: str | Path = "outputs/demo",
-    model: str | None = None,
-    task: str = "qa1",
-    chunk_size: int = 32,
-    train_chunks: tuple[int, ...] = (0, 4, 8, 16, 32),
-    eval_chunks: tuple[int, ...] = (4, 256, 1024),
-    pretrain_steps: int = 800,
-    entity_share: float = 0.5,
-    num_train_samples: int = 1000,
-    num_eval_samples: int = 200,
-    epochs: int = 11,
-    batch_size: int = 32,
-    learning_rate: float = 3e-3,
-    memory_settings: dict[str, Any] | None = None,
-    seed: int = 0,
-    threads: int | None = 1,
-    max_steps: int = -1,
-    staged_curriculum: bool = True,
-    state_passing: float = 0.5,
-    haystacks: tuple[str, ...] = (),
-    overwrite: bool = False,
-    show_progress: bool = True,
-) -> dict[str, Any]:
-    """Stage a (unless `model` names a base), then stage b; returns results, run info, paths and the trained model.
+@dataclass
+class DemoSettings:
+    """What a demo trains and measures: the flags of ``titans-hf demo``.
 
     Lengths are given in chunks of the input (the question comes after it); `train_chunks` 0 means bare stories.
     The first epoch trains on rows of one chunk (bare stories); with `staged_curriculum` each later epoch admits the
@@ -325,154 +305,242 @@ def run_demo(
     `state_passing` share of the training rows start from the memory state another row ended in (State Passing,
     see `TitansTrainingArguments`). With `haystacks` (text files or folders), the training rows' haystacks are shared
     out between the built-in prose and each of them (`mixed_haystack_rows`), so that the memory learns to write little
-    on prose in general, not on one text; the base and the evaluation rows are unchanged. Evaluation
-    rows come from other generator seeds than training rows. `memory_settings` override `MEMORY_SETTINGS` (and the
-    TitansQwenConfig defaults: variant, memory_layers, ...). Everything goes into `output_dir`, which must be absent,
-    empty, or (with `overwrite`) a folder an earlier demo wrote, whose outputs it replaces; a run that fails leaves
-    what was there. Files of the user's beside the outputs are left alone and not recorded as the demo's.
+    on prose in general, not on one text; the base and the evaluation rows are unchanged. Evaluation rows come from
+    other generator seeds than training rows. `memory_settings` override `MEMORY_SETTINGS` (and the TitansQwenConfig
+    defaults: variant, memory_layers, ...).
+
+    Args:
+        base: a pretrained Qwen2/Qwen3 (local folder or Hub id) used as the frozen base; None: stage a pretrains the
+            toy base.
+        pretrain_steps, entity_share: stage a's steps and share of sentences about the story's people and places.
+        num_train_samples, num_eval_samples: rows per trained and per evaluated length.
     """
+
+    base: str | None = None
+    task: str = "qa1"
+    chunk_size: int = 32
+    train_chunks: tuple[int, ...] = (0, 4, 8, 16, 32)
+    eval_chunks: tuple[int, ...] = (4, 256, 1024)
+    pretrain_steps: int = 800
+    entity_share: float = 0.5
+    num_train_samples: int = 1000
+    num_eval_samples: int = 200
+    epochs: int = 11
+    batch_size: int = 32
+    learning_rate: float = 3e-3
+    max_steps: int = -1
+    staged_curriculum: bool = True
+    state_passing: float = 0.5
+    haystacks: tuple[str, ...] = ()
+    memory_settings: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.train_chunks or not self.eval_chunks:
+            raise ValueError("demo: train_chunks and eval_chunks must each name at least one length")
+        if min(self.train_chunks) < 0 or min(self.eval_chunks) < 1:
+            raise ValueError(f"demo: train_chunks {self.train_chunks} must be >= 0 and eval_chunks "
+                             f"{self.eval_chunks} >= 1")
+
+    @property
+    def train_lengths(self) -> list[int]:
+        """The trained input lengths in tokens."""
+        return [chunks * self.chunk_size for chunks in self.train_chunks]
+
+    @property
+    def eval_lengths(self) -> list[int]:
+        """The evaluated input lengths in tokens."""
+        return [chunks * self.chunk_size for chunks in self.eval_chunks]
+
+
+@dataclass
+class TrainingData:
+    """The training rows a demo wrote: one BABILong JSON file per trained length (`files`), the curriculum's stages
+    in chunks (`curriculum_chunks`: one chunk, then the longest row of each trained length with a staged curriculum,
+    and the longest of all) and the number of rows (`num_rows`)."""
+
+    files: list[Path]
+    curriculum_chunks: list[int]
+    num_rows: int
+
+
+def run_demo(output_dir: str | Path = "outputs/demo", settings: DemoSettings | None = None, overwrite: bool = False,
+             threads: int | None = 1, show_progress: bool = True) -> dict[str, Any]:
+    """Stage a (unless `settings.base` names a base), then stage b: the rows, the memory's training, its evaluation
+    and the report; returns results, run info, paths and the trained model.
+
+    Everything goes into `output_dir`, which must be absent, empty, or (with `overwrite`) a folder an earlier demo
+    wrote, whose outputs it replaces; a run that fails leaves what was there. Files of the user's beside the outputs
+    are left alone and not recorded as the demo's. `threads`: torch's threads (None: as they are).
+    """
+    settings = DemoSettings() if settings is None else settings
     started = time.time()
     if threads is not None:
         torch.set_num_threads(threads)
-    if not train_chunks or not eval_chunks:
-        raise ValueError("run_demo: train_chunks and eval_chunks must each name at least one length")
-    if min(train_chunks) < 0 or min(eval_chunks) < 1:
-        raise ValueError(f"run_demo: train_chunks {train_chunks} must be >= 0 and eval_chunks {eval_chunks} >= 1")
     # written in place (the memory records its base's absolute path), checked before any work: an earlier demo's
     # outputs are replaced only with `overwrite`, a user's folder or file never; a failed run leaves the old outputs
-    outputs = ((BASE_DIR_NAME,) if model is None else ()) + (DATA_DIR_NAME, MEMORY_DIR_NAME, LOSS_PLOT_NAME,
-                                                             RUN_INFO_NAME, *EVALUATION_OUTPUT_NAMES)
+    outputs = ((BASE_DIR_NAME,) if settings.base is None else ()) + (DATA_DIR_NAME, MEMORY_DIR_NAME, LOSS_PLOT_NAME,
+                                                                      RUN_INFO_NAME, *EVALUATION_OUTPUT_NAMES)
     with writing_folder(output_dir, overwrite, "titans-hf demo", outputs=outputs) as output:
-        base_dir, data_dir, memory_dir = output / BASE_DIR_NAME, output / DATA_DIR_NAME, output / MEMORY_DIR_NAME
-        set_seed(seed)
+        set_seed(settings.seed)
         timings: dict[str, float] = {}
-        run_info: dict[str, Any] = {"task": task, "seed": seed, "chunk_size": chunk_size}
-
-        # ---- stage a: the toy base ----
-        if model is None:
-            tokenizer = build_demo_tokenizer(base_dir, seed=seed)
-            # whatever stage b trains on
-            haystack_lengths = (0, PRETRAIN_HAYSTACK_CHUNKS[task] * chunk_size)
-            run_info["pretraining"] = pretrain_base(base_dir, tokenizer, task=task, steps=pretrain_steps,
-                                                    haystack_lengths=haystack_lengths, entity_share=entity_share, seed=seed,
-                                                    show_progress=show_progress)
-            base = str(base_dir)
+        run_info: dict[str, Any] = {"task": settings.task, "seed": settings.seed, "chunk_size": settings.chunk_size}
+        if settings.base is None:
+            run_info["pretraining"] = pretrain_toy_base(settings, output / BASE_DIR_NAME, show_progress)
+            base = str(output / BASE_DIR_NAME)
             timings["stage_a_s"] = time.time() - started
             logger.info("stage a: toy base pretrained in %.0fs (%d steps), saved to %s", timings["stage_a_s"],
-                        run_info["pretraining"]["steps"], base_dir)
+                        run_info["pretraining"]["steps"], base)
         else:
-            base = model
+            base = settings.base
         tokenizer = AutoTokenizer.from_pretrained(base, trust_remote_code=False)
         run_info["base"] = base
-        run_info["base_accuracy"] = base_accuracy(base, tokenizer, task, chunk_size, seed=900 + seed)
+        run_info["base_accuracy"] = base_accuracy(base, tokenizer, settings.task, settings.chunk_size,
+                                                  seed=900 + settings.seed)
         logger.info("base, full attention, on %d bare stories: %.1f%% exact match (chance %.1f%%)",
                     run_info["base_accuracy"]["rows"], 100 * run_info["base_accuracy"]["exact_match"],
                     100 * run_info["base_accuracy"]["chance"])
 
-        # ---- stage b: the user's recipe ----
         stage_b_started = time.time()
         base_files = sorted(Path(base).glob("*.safetensors")) if Path(base).is_dir() else []
         hashes_before = {file.name: file_sha256(file) for file in base_files}
-        train_lengths = [chunks * chunk_size for chunks in train_chunks]
-        eval_lengths = [chunks * chunk_size for chunks in eval_chunks]
-        train_rows = {length: mixed_haystack_rows(task, num_train_samples, length, tokenizer,
-                                                  seed=1000 * seed + 100 + index, haystacks=haystacks)
-                      for index, length in enumerate(train_lengths)}
-        data_files = write_training_files(data_dir, train_rows, task)
-        # curriculum: the shortest rows first (bare stories of one chunk), then every row, or with `staged_curriculum`
-        # one length more each epoch (1 chunk, then up to the rows of each trained length in turn)
-        chunks_by_length = {length: row_chunks(rows, tokenizer, chunk_size) for length, rows in train_rows.items()}
-        chunks = [count for counts in chunks_by_length.values() for count in counts]
-        stages = sorted({min(chunks), max(chunks)} | ({max(counts) for counts in chunks_by_length.values()}
-                                                      if staged_curriculum else set()))
-        settings = dict(MEMORY_SETTINGS, **(memory_settings or {}))
-        model_args = ModelArguments(model_name_or_path=base)
-        memory_args = MemoryArguments(chunk_size=chunk_size, **settings)
-        data_args = DataArguments(data_files=[str(path) for path in data_files],
-                                  max_length=(max(stages) + 1) * chunk_size, answer_reserve_tokens=16,
-                                  generation_seed=seed)
-        # the builder keeps `train_ratio` of the rows for training; the exact count is known once it has split them
-        planned_steps = (max_steps if max_steps > 0
-                         else epochs * math.ceil(data_args.train_ratio * len(chunks) / batch_size))
-        training_args = RecipeTrainingArguments(
-            output_dir=str(memory_dir),
-            per_device_train_batch_size=batch_size,
-            gradient_accumulation_steps=1,
-            learning_rate=learning_rate,
-            lr_scheduler_type="constant_with_warmup",
-            warmup_steps=30,
-            weight_decay=0.0,
-            max_grad_norm=1.0,
-            num_train_epochs=epochs,
-            max_steps=max_steps,
-            curriculum_chunks=stages,
-            curriculum_epochs_per_stage=1,
-            state_passing=state_passing,
-            log_every_batches=max(1, min(20, planned_steps // 25)),  # a loss curve even for a few steps
-            save_strategy="no",
-            report_to=[],
-            use_cpu=True,
-            seed=seed,
-            dataloader_num_workers=0,
-            disable_tqdm=not show_progress,
-        )
-        trainer = train_memory(model_args, memory_args, data_args, training_args)
-        trained = trainer.model
+        data = write_training_data(settings, tokenizer, output / DATA_DIR_NAME)
+        trainer = train_demo_memory(settings, base, data, output / MEMORY_DIR_NAME, show_progress)
         timings["stage_b_train_s"] = time.time() - stage_b_started
-        trainable = sum(p.numel() for p in trained.parameters() if p.requires_grad)
-        total = sum(p.numel() for p in trained.parameters())
-        run_info["trainable_parameters"] = {"memory": trainable, "total": total, "share": trainable / total}
+        run_info.update(trained_parameters(trainer.model))
         if base_files:
-            run_info["base_unchanged"] = (base_weights_unchanged(trained, base)
+            run_info["base_unchanged"] = (base_weights_unchanged(trainer.model, base)
                                           and {f.name: file_sha256(f) for f in base_files} == hashes_before)
-        steps_per_epoch = math.ceil(len(trainer.train_dataset) / batch_size)
-        plot_loss_curve(trainer.state.log_history, output / LOSS_PLOT_NAME, steps_per_epoch, stages)
+        plot_loss_curve(trainer.state.log_history, output / LOSS_PLOT_NAME,
+                        math.ceil(len(trainer.train_dataset) / settings.batch_size), data.curriculum_chunks)
 
-        # evaluate what was saved: the folder a user pushes is the one measured
         eval_started = time.time()
-        reloaded, _ = load_model_for_eval(memory_dir, tokenizer=base)
-        eval_rows = {length: generate_babilong(task, num_eval_samples, length, tokenizer,
-                                               seed=1000 * seed + 500 + index)
-                     for index, length in enumerate(eval_lengths)}
-        results = evaluate_babilong(reloaded, tokenizer, {(task, length): eval_rows[length] for length in eval_lengths},
-                                    max_new_tokens=3, batch_size=64, output_dir=output, show_progress=show_progress,
-                                    trained_length=max(train_lengths))
+        results = evaluate_demo_memory(settings, output, base, tokenizer, show_progress)
         timings["eval_s"] = time.time() - eval_started
         timings["total_s"] = time.time() - started
-        run_info.update({
-            "memory_settings": trained.config.memory_config.memory_settings(),
-            "train_lengths": train_lengths,
-            "eval_lengths": eval_lengths,
-            "num_train_rows": len(trainer.train_dataset),
-            "curriculum_chunks": stages,
-            "training_loss": [[entry["step"], entry["loss"]] for entry in trainer.state.log_history
-                              if "loss" in entry and "step" in entry],
-            "steps": trainer.state.global_step,
-            "epochs": epochs,
-            "batch_size": batch_size,
-            "learning_rate": learning_rate,
-            "state_passing": state_passing,
-            "haystacks": list(haystacks),
-            "write_cost_growth": [training_args.write_cost_growth, training_args.write_cost_growth_span],
-            "threads": torch.get_num_threads(),
-            "timings": {key: round(value, 1) for key, value in timings.items()},
-        })
+        run_info.update(training_report(settings, data, trainer, timings))
         atomic_write_json(output / RUN_INFO_NAME, run_info)
-        return {
-            "results": results,
-            "run_info": run_info,
-            "model": trained,
-            "tokenizer": tokenizer,
-            "paths": {
-                "results": output / "results.json",
-                "heatmap": output / "heatmap.png",
-                "distance_plot": output / DISTANCE_PLOT_NAME,
-                "predictions": output / "predictions.jsonl",
-                "loss_curve": output / LOSS_PLOT_NAME,
-                "run_info": output / RUN_INFO_NAME,
-                "base": base_dir if model is None else None,
-                "data": data_files,
-                "memory": memory_dir,
-            },
-        }
+        return {"results": results, "run_info": run_info, "model": trainer.model, "tokenizer": tokenizer,
+                "paths": demo_paths(output, settings, data)}
 
+
+def pretrain_toy_base(settings: DemoSettings, base_dir: Path, show_progress: bool) -> dict[str, Any]:
+    """Stage a: the demo's tokenizer and the toy base pretrained on the rows stage b trains on (bare stories and
+    stories in a short haystack), both saved in `base_dir`; returns what `pretrain_base` did."""
+    tokenizer = build_demo_tokenizer(base_dir, seed=settings.seed)
+    haystack_lengths = (0, PRETRAIN_HAYSTACK_CHUNKS[settings.task] * settings.chunk_size)
+    return pretrain_base(base_dir, tokenizer, task=settings.task, steps=settings.pretrain_steps,
+                         haystack_lengths=haystack_lengths, entity_share=settings.entity_share, seed=settings.seed,
+                         show_progress=show_progress)
+
+
+def write_training_data(settings: DemoSettings, tokenizer, data_dir: Path) -> TrainingData:
+    """Stage b's training rows, one BABILong JSON file per trained length in `data_dir`, and the curriculum over
+    them: the shortest rows first (bare stories of one chunk), then every row, or with `staged_curriculum` one length
+    more each epoch (1 chunk, then up to the rows of each trained length in turn)."""
+    rows_by_length = {length: mixed_haystack_rows(settings.task, settings.num_train_samples, length, tokenizer,
+                                                  seed=1000 * settings.seed + 100 + index,
+                                                  haystacks=settings.haystacks)
+                      for index, length in enumerate(settings.train_lengths)}
+    files = write_training_files(data_dir, rows_by_length, settings.task)
+    chunks_by_length = {length: row_chunks(rows, tokenizer, settings.chunk_size)
+                        for length, rows in rows_by_length.items()}
+    chunks = [count for counts in chunks_by_length.values() for count in counts]
+    stages = sorted({min(chunks), max(chunks)} | ({max(counts) for counts in chunks_by_length.values()}
+                                                  if settings.staged_curriculum else set()))
+    return TrainingData(files=files, curriculum_chunks=stages, num_rows=len(chunks))
+
+
+def train_demo_memory(settings: DemoSettings, base: str, data: TrainingData, memory_dir: Path, show_progress: bool):
+    """Stage b's training: the arguments of ``titans-hf train`` for the demo's rows and settings, and
+    `train_memory` on them (the frozen base, the memory saved to `memory_dir`); returns the trainer."""
+    model_args = ModelArguments(model_name_or_path=base)
+    memory_args = MemoryArguments(chunk_size=settings.chunk_size, **{**MEMORY_SETTINGS, **settings.memory_settings})
+    data_args = DataArguments(data_files=[str(path) for path in data.files],
+                              max_length=(max(data.curriculum_chunks) + 1) * settings.chunk_size,
+                              answer_reserve_tokens=16, generation_seed=settings.seed)
+    # the builder keeps `train_ratio` of the rows for training; the exact count is known once it has split them
+    planned_steps = (settings.max_steps if settings.max_steps > 0
+                     else settings.epochs * math.ceil(data_args.train_ratio * data.num_rows / settings.batch_size))
+    training_args = RecipeTrainingArguments(
+        output_dir=str(memory_dir),
+        per_device_train_batch_size=settings.batch_size,
+        gradient_accumulation_steps=1,
+        learning_rate=settings.learning_rate,
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=30,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        num_train_epochs=settings.epochs,
+        max_steps=settings.max_steps,
+        curriculum_chunks=data.curriculum_chunks,
+        curriculum_epochs_per_stage=1,
+        state_passing=settings.state_passing,
+        log_every_batches=max(1, min(20, planned_steps // 25)),  # a loss curve even for a few steps
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=settings.seed,
+        dataloader_num_workers=0,
+        disable_tqdm=not show_progress,
+    )
+    return train_memory(model_args, memory_args, data_args, training_args)
+
+
+def trained_parameters(model) -> dict[str, Any]:
+    """The trained model's trainable (memory) parameters, beside all of them."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return {"trainable_parameters": {"memory": trainable, "total": total, "share": trainable / total}}
+
+
+def evaluate_demo_memory(settings: DemoSettings, output: Path, base: str, tokenizer, show_progress: bool
+                         ) -> dict[str, Any]:
+    """Stage b's evaluation of what was saved (the folder a user pushes is the one measured), on rows of other
+    generator seeds than training's; writes the evaluation's outputs into `output` and returns its results."""
+    reloaded, _ = load_model_for_eval(output / MEMORY_DIR_NAME, tokenizer=base)
+    rows_by_length = {length: generate_babilong(settings.task, settings.num_eval_samples, length, tokenizer,
+                                                 seed=1000 * settings.seed + 500 + index)
+                      for index, length in enumerate(settings.eval_lengths)}
+    return evaluate_babilong(reloaded, tokenizer, {(settings.task, length): rows
+                                                   for length, rows in rows_by_length.items()},
+                             max_new_tokens=3, batch_size=64, output_dir=output, show_progress=show_progress,
+                             trained_length=max(settings.train_lengths))
+
+
+def training_report(settings: DemoSettings, data: TrainingData, trainer, timings: dict[str, float]
+                    ) -> dict[str, Any]:
+    """What `run.json` records of stage b: the memory's settings, the lengths, the training and the timings."""
+    return {
+        "memory_settings": trainer.model.config.memory_config.memory_settings(),
+        "train_lengths": settings.train_lengths,
+        "eval_lengths": settings.eval_lengths,
+        "num_train_rows": len(trainer.train_dataset),
+        "curriculum_chunks": data.curriculum_chunks,
+        "training_loss": [[entry["step"], entry["loss"]] for entry in trainer.state.log_history
+                          if "loss" in entry and "step" in entry],
+        "steps": trainer.state.global_step,
+        "epochs": settings.epochs,
+        "batch_size": settings.batch_size,
+        "learning_rate": settings.learning_rate,
+        "state_passing": settings.state_passing,
+        "haystacks": list(settings.haystacks),
+        "write_cost_growth": [trainer.args.write_cost_growth, trainer.args.write_cost_growth_span],
+        "threads": torch.get_num_threads(),
+        "timings": {key: round(value, 1) for key, value in timings.items()},
+    }
+
+
+def demo_paths(output: Path, settings: DemoSettings, data: TrainingData) -> dict[str, Any]:
+    """Where the demo's outputs are (`base` None where it took a given base)."""
+    return {
+        "results": output / "results.json",
+        "heatmap": output / "heatmap.png",
+        "distance_plot": output / DISTANCE_PLOT_NAME,
+        "predictions": output / "predictions.jsonl",
+        "loss_curve": output / LOSS_PLOT_NAME,
+        "run_info": output / RUN_INFO_NAME,
+        "base": output / BASE_DIR_NAME if settings.base is None else None,
+        "data": data.files,
+        "memory": output / MEMORY_DIR_NAME,
+    }

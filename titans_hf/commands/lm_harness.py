@@ -30,9 +30,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         "model>). Batches of mixed lengths answer each request as it is answered alone. Needs the lm_eval extra: "
         "pip install 'titans_hf[lm_eval]'. Writes lm_eval_results.json to --output and prints lm-eval's table.",
     )
-    model = add_model_arguments(parser, None, "e.g. cuda or cpu (default: where the model loads)")
-    model.add_argument("--memory-off", action="store_true",
-                       help="the ablation: the same weights with the memory switched off (the base chunk by chunk)")
+    model_group = add_model_arguments(parser, None, "e.g. cuda or cpu (default: where the model loads)")
+    model_group.add_argument("--memory-off", action="store_true", help="the ablation: the same weights with the "
+                             "memory switched off (the base chunk by chunk)")
     tasks = parser.add_argument_group("the tasks")
     tasks.add_argument("--tasks", nargs="+", required=True,
                        help="lm-eval task or group names (or glob patterns), e.g. hellaswag, or your own tasks' names "

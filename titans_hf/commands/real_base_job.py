@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -34,11 +33,11 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from titans_hf.commands.demo_job import row_chunks
 from titans_hf.files import atomic_write, atomic_write_json
 from titans_hf.outputs import check_outputs, record_outputs
 from titans_hf.tasks.babilong import (
     LOCATIONS,
-    PROMPT_TEMPLATE,
     generate_babilong,
     score_exact_match,
     write_babilong_json,
@@ -54,7 +53,7 @@ MEMORY_SETTINGS = dict(
     conv_kernel=8,  # spans " Mary journeyed to the kitchen." in SmolLM2's tokens
     memory_chunk_size=8,
     # the write gate open from the start and no write cost: inputs of at most 16 chunks ask the memory to learn to
-    # write, not to keep writes small over thousands of chunks (docs/real_base.md, runs 4 and 5)
+    # write, not to keep writes small over thousands of chunks (docs/real_base.md, "The memory")
     theta_bias_init=-2.0,
     write_cost=0.0,
     checkpoint_chunks=False,  # rows of about a thousand tokens: recomputation would only cost time
@@ -125,13 +124,6 @@ def compare_formats(base: str, num_rows: int = 50, seed: int = 900) -> dict[str,
         measured[name] = {"place_answers": places / num_rows, "exact_match": exact / num_rows,
                           "first_words": dict(common)}
     return measured
-
-
-def row_chunks(rows: Sequence[Mapping[str, str]], tokenizer, chunk_size: int) -> list[int]:
-    """Chunks each row fills as a training example (prompt and answer)."""
-    texts = [PROMPT_TEMPLATE.format(input=row["input"], question=row["question"]) + f" {row['target']}"
-             for row in rows]
-    return [math.ceil(len(ids) / chunk_size) for ids in tokenizer(texts)["input_ids"]]
 
 
 def prepare(base: str, output_dir: str | Path, chunk_size: int = 64, train_chunks: Sequence[int] = (0, 4, 8),
@@ -227,8 +219,8 @@ def report(base: str, output_dir: str | Path, batch_size: int = 16, device: str 
     check_outputs([output / RESULTS_NAME, output / PLOT_NAME], overwrite)
     started = time.time()
     tokenizer = AutoTokenizer.from_pretrained(base, trust_remote_code=False)
-    model = AutoModelForCausalLM.from_pretrained(
-        base, trust_remote_code=False, **({"dtype": getattr(torch, dtype)} if dtype is not None else {})).eval()
+    model = AutoModelForCausalLM.from_pretrained(  # transformers turns a dtype name into the torch dtype
+        base, trust_remote_code=False, **({"dtype": dtype} if dtype is not None else {})).eval()
     if device is not None:
         model.to(device)
     files = {(TASK, length): output / DATA_DIR_NAME / EVAL_DIR_NAME / TASK / f"{length}.json" for length in memory}

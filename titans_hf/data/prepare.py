@@ -36,7 +36,7 @@ import multiprocessing
 import re
 from multiprocessing.pool import ThreadPool
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -613,13 +613,7 @@ def prepare(
     `overwrite`: replace an existing output, only if it is a store prepare wrote. Inputs and
     outputs are checked before the tokenizer is loaded; errors name the file (and line) at fault.
     """
-    if train_type not in TRAIN_TYPE_KEYS:
-        raise ValueError(f"train_type must be one of {list(TRAIN_TYPE_KEYS)}, got {train_type!r}")
-    for name, value in (("num_proc", num_proc), ("batch_size", batch_size)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if shard_tokens is not None and (not isinstance(shard_tokens, int) or shard_tokens < 1):
-        raise ValueError(f"shard_tokens must be a positive integer or None, got {shard_tokens!r}")
+    _check_arguments(train_type, num_proc, batch_size, shard_tokens)
     output = Path(output)
     paths = _input_paths(inputs)
     if paths is not None:
@@ -630,20 +624,8 @@ def prepare(
     output.parent.mkdir(parents=True, exist_ok=True)
 
     tok = _load_tokenizer(tokenizer)
-    vocab_size = len(tok)
-    ids_dtype = token_dtype(vocab_size)
-    dtypes = {
-        key: {"float": np.float32, "mask": np.uint8, "token": ids_dtype}[key_kind(key)] for key in TRAIN_TYPE_KEYS[train_type]
-    }
-    metadata = {
-        "train_type": train_type,
-        "tokenizer": str(tokenizer),
-        "vocab_size": vocab_size,
-        "eos_token_id": tok.eos_token_id,
-        "pad_token_id": tok.pad_token_id,
-        "tokenizer_fingerprint": tokenizer_fingerprint(tok),
-    }
-    writer_class = STORE_WRITERS[output_format(output)]
+    dtypes, metadata = _store_layout(tok, str(tokenizer), train_type)
+    new_writer = functools.partial(STORE_WRITERS[output_format(output)], output, dtypes, metadata)
     # File sizes in bytes bound the characters from above: the bar may stop a little short of 100%.
     total_chars = sum(path.stat().st_size for path in paths) if paths is not None else None
     progress = tqdm(total=total_chars, unit="char", unit_scale=True, desc=f"prepare {output.name}")
@@ -651,7 +633,6 @@ def prepare(
     batches = _batches(units, train_type, batch_size)
 
     writers: list[StoreWriter] = []
-    finished: list[Path] = []
     # With one process, a thread still encodes batch k+1 (the Rust tokenizer releases the GIL)
     # while this thread parses the input and writes batch k.
     if num_proc > 1:
@@ -660,18 +641,7 @@ def prepare(
         pool, encode = ThreadPool(1), functools.partial(_encode_batch, tokenizer=tok)
     try:
         encoded_batches = _ordered_map(pool, encode, batches, lookahead=2 * num_proc)
-        writer = None
-        for encoded_batch, chars in encoded_batches:
-            for encoded in encoded_batch:
-                if writer is None:
-                    writer = writer_class(output, dtypes, metadata)
-                    writers.append(writer)
-                if _write_unit(writer, encoded) and shard_tokens is not None and writer.num_tokens >= shard_tokens:
-                    finished.append(writer.finish())
-                    writer = None
-            progress.update(chars)
-        if writer is not None:
-            finished.append(writer.finish())
+        finished = _write_stores(encoded_batches, new_writer, shard_tokens, progress, writers)
         if not finished:
             raise ValueError(f"{inputs}: no records to prepare (all inputs empty)")
         targets = _shard_paths(output, len(finished))
@@ -689,3 +659,54 @@ def prepare(
         progress.close()
         pool.terminate()
         pool.join()
+
+
+def _check_arguments(train_type: str, num_proc: int, batch_size: int, shard_tokens: int | None) -> None:
+    """`prepare`'s settings other than its inputs and outputs, each refused naming it."""
+    if train_type not in TRAIN_TYPE_KEYS:
+        raise ValueError(f"train_type must be one of {list(TRAIN_TYPE_KEYS)}, got {train_type!r}")
+    for name, value in (("num_proc", num_proc), ("batch_size", batch_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if shard_tokens is not None and (not isinstance(shard_tokens, int) or shard_tokens < 1):
+        raise ValueError(f"shard_tokens must be a positive integer or None, got {shard_tokens!r}")
+
+
+def _store_layout(tok, tokenizer_name: str, train_type: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The dtype of each key of `train_type`'s stores (ids in the smallest dtype the vocabulary fits) and the
+    metadata they record of the tokenizer."""
+    vocab_size = len(tok)
+    ids_dtype = token_dtype(vocab_size)
+    dtypes = {
+        key: {"float": np.float32, "mask": np.uint8, "token": ids_dtype}[key_kind(key)] for key in TRAIN_TYPE_KEYS[train_type]
+    }
+    metadata = {
+        "train_type": train_type,
+        "tokenizer": tokenizer_name,
+        "vocab_size": vocab_size,
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+        "tokenizer_fingerprint": tokenizer_fingerprint(tok),
+    }
+    return dtypes, metadata
+
+
+def _write_stores(encoded_batches: Iterable[tuple[list[dict[str, Any]], int]], new_writer: Callable[[], StoreWriter],
+                  shard_tokens: int | None, progress: tqdm, writers: list[StoreWriter]) -> list[Path]:
+    """Write the encoded records in order into stores from `new_writer`, a new one once a store holds `shard_tokens`
+    tokens (at a record boundary); each writer is added to `writers` as it opens, so that a failure aborts them all.
+    Returns the finished stores' temporary paths."""
+    finished: list[Path] = []
+    writer = None
+    for encoded_batch, chars in encoded_batches:
+        for encoded in encoded_batch:
+            if writer is None:
+                writer = new_writer()
+                writers.append(writer)
+            if _write_unit(writer, encoded) and shard_tokens is not None and writer.num_tokens >= shard_tokens:
+                finished.append(writer.finish())
+                writer = None
+        progress.update(chars)
+    if writer is not None:
+        finished.append(writer.finish())
+    return finished

@@ -19,31 +19,18 @@ from titans_hf import __version__
 from titans_hf.files import atomic_write_json
 
 from .memory_folder import MEMORY_CONFIG_NAME, hub_file
+from .update_rules import UPDATE_RULES, UpdateRule
 
 MODEL_TYPE = "titans_qwen"
 BASE_SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
 _REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,254}")
 SUPPORTED_BASE_MODEL_TYPES = ("qwen2", "qwen3")
 # The names the memory settings choose from, each the keys of the registry that implements it (the config imports no
-# model code; tests/test_memory.py holds each tuple equal to its registry's keys):
+# model code; tests/test_memory.py holds each equal to its registry's keys). The update rules' names are the keys of
+# UPDATE_RULES, which holds each rule's defaults and limits (update_rules.py): those of ops.UPDATE_OPS.
 VARIANTS = ("mag", "mal", "mac")  # variants.MEMORY_VARIANTS
 MEMORY_MODEL_NAMES = ("mlp",)  # memory.MEMORY_MODELS
-UPDATE_RULES = ("gradient", "delta")  # ops.UPDATE_OPS
 CONV_INITS = ("identity", "window")  # NeuralMemory.reset_parameters
-# The write gate's initial bias by update rule, each the value the rule was measured with (docs/length.md): the delta
-# rule's haystack writes stay where the gate starts (training on short rows never asks them to shrink), and every
-# haystack write erases part of the facts along its key, so the gate starts almost closed.
-THETA_BIAS_INIT = {"delta": -6.0, "gradient": -2.0}
-# The write cost's weight by update rule (docs/length.md): with the delta rule, a price on every write keeps the
-# writes between facts small, and a fact's half-life near 1,000 chunks of the CPU demo instead of 300-400 (weight 4
-# lost accuracy at every length); the gradient rule was not measured with one.
-WRITE_COST = {"delta": 1.0, "gradient": 0.0}
-# The delta rule's default max_memory_norm, in multiples of sqrt(memory_head_dim): the bound each head's fast weights
-# are rescaled to (docs/length.md, row 14; twice it, row 22, gained nothing at 1,024 or 4,096 chunks).
-MEMORY_NORM_PER_SQRT_HEAD_DIM = 4.0
-# The delta rule's upper bound on max_lr: its step 2 theta < 2 max_lr stays at most 1, so that each write is a
-# contraction along its key.
-MAX_DELTA_RULE_LR = 0.5
 # The format of a saved memory config. A file of this format holds every field (to_dict writes them all), and one that
 # lacks a field is refused; a file without `format_version` was written before titans_hf's first release (0.3.0) and is
 # refused. A new field means a new format number: files of the older formats then get, when they lack it, the value
@@ -52,14 +39,6 @@ MEMORY_CONFIG_FORMAT_VERSION = 1
 # The largest magnitude a float32 holds: the gate biases are float32 parameters and the loss a float32 sum, so a
 # number past it cannot reach them (and max_memory_norm past it makes the rescale 0 / inf: a memory wiped every chunk).
 FLOAT32_MAX = float.fromhex("0x1.fffffep+127")
-# The gradient rule's upper bound on max_lr. Its update is clipped: each chunk's surprise G = sum_t 2 theta_t
-# k_t^T r_t (||k_t|| = 1, r_t = M(k_t) - v_t the residual) is scaled by c / max(||G||, c), so a theta past the point
-# where every chunk reaches the clip changes nothing, but the clip needs ||G||^2 within float32: at ||G|| >= 2^64
-# (~1.8e19) the norm is inf, the scale 0, and the chunk's write silently vanishes (NaN follows from max_lr ~ 1e38,
-# where theta itself overflows). With theta < max_lr, ||G|| < 2 max_lr C max ||r_t|| for C = memory_chunk_size
-# tokens (the linear memory; deeper ones add their layers' norms); max_lr <= 1e6 keeps it under 2^64 for update chunks
-# of 4096 tokens with residual norms up to 2e9.
-MAX_GRADIENT_RULE_LR = 1e6
 
 
 @dataclass
@@ -106,21 +85,21 @@ class TitansMemoryConfig:
             How the memory writes: "delta" (each token's step at the weights the tokens before it left, its norm
             bounded by `max_memory_norm`) or "gradient" (Titans' chunked rule, with momentum).
         max_lr (`float`, *optional*, defaults to 0.5):
-            Upper bound of the data-dependent inner learning rate theta (delta: at most 0.5; gradient: at most
-            `MAX_GRADIENT_RULE_LR`, 1e6, where its clipped step can still be computed).
+            Upper bound of the data-dependent inner learning rate theta, at most the rule's `UpdateRule.max_lr`
+            (delta: 0.5; gradient: 1e6, where its clipped step can still be computed).
         max_memory_norm (`float`, *optional*, defaults to `None`):
             delta: each head's fast weights are rescaled to this Frobenius norm whenever an update leaves them above
-            it; None: 4 * sqrt(`memory_head_dim`) (`MEMORY_NORM_PER_SQRT_HEAD_DIM`), the value the config then holds
-            (and saves). The gradient rule has no such bound: None.
+            it; None: 4 * sqrt(`memory_head_dim`) (`UpdateRule.memory_norm_per_sqrt_head_dim`), the value the config
+            then holds (and saves). The gradient rule has no such bound: None.
         theta_bias_init (`float`, *optional*, defaults to `None`):
             Initial bias of the write gate: theta starts near `max_lr` * sigmoid(`theta_bias_init`); None: the value
-            each rule was measured with (`THETA_BIAS_INIT`: -6 for delta, -2 for gradient).
+            each rule was measured with (`UpdateRule.theta_bias_init`: -6 for delta, -2 for gradient).
         forget_bias_init (`float`, *optional*, defaults to -30.0):
             Initial bias of the forget gate (-30: no forgetting).
         write_cost (`float`, *optional*, defaults to `None`):
             Weight of the write cost, `write_cost` * mean(theta / `max_lr`) over the memory layers, heads and real
             tokens, that a training forward with labels adds to its loss; None: the value each rule was measured
-            with (`WRITE_COST`: 1 for delta, 0 for gradient).
+            with (`UpdateRule.write_cost`: 1 for delta, 0 for gradient).
         num_memory_tokens (`int`, *optional*, defaults to 0):
             mac: memory tokens read at the start of a chunk.
         num_persistent_tokens (`int`, *optional*, defaults to 0):
@@ -219,6 +198,18 @@ class TitansMemoryConfig:
                                               "base_fingerprint", "titans_hf_version")
 
     def __post_init__(self) -> None:
+        self._check_types()
+        self._check_choices()
+        rule = UPDATE_RULES[self.update_rule]
+        self._resolve_rule_defaults(rule)
+        self._check_numbers()
+        self._check_rule_limits(rule)
+        self._check_variant()
+        self._check_base()
+
+    def _check_types(self) -> None:
+        """Every field of its type: integers within their lower bounds, strings, true or false, a git revision and a
+        fingerprint of their forms."""
         def integer(name: str, low: int, optional: bool = False) -> None:
             value = getattr(self, name)
             if value is None and optional:
@@ -247,6 +238,10 @@ class TitansMemoryConfig:
         for name in ("freeze_base", "checkpoint_chunks", "attend_previous_chunk"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
+
+    def _check_choices(self) -> None:
+        """Each name one its registry holds (an unknown update rule is refused here, named); the memory batch whole
+        update chunks."""
         for name, choices in (("variant", VARIANTS), ("memory_model", MEMORY_MODEL_NAMES), ("conv_init", CONV_INITS),
                               ("update_rule", UPDATE_RULES)):
             if getattr(self, name) not in choices:
@@ -255,15 +250,23 @@ class TitansMemoryConfig:
             raise ValueError(f"memory_batch_size={self.memory_batch_size!r} must be a multiple of memory_chunk_size "
                              f"({self.memory_chunk_size}) and at least it: the point where inner gradients are taken "
                              "moves only where an update chunk ends")
+
+    def _resolve_rule_defaults(self, rule: UpdateRule) -> None:
+        """The settings left None (`PER_RULE_FIELDS`) take the update rule's values; `max_memory_norm` stays None
+        under a rule without a norm bound."""
         if self.theta_bias_init is None:
-            self.theta_bias_init = THETA_BIAS_INIT[self.update_rule]
+            self.theta_bias_init = rule.theta_bias_init
         if self.write_cost is None:
-            self.write_cost = WRITE_COST[self.update_rule]
-        if self.max_memory_norm is None and self.update_rule == "delta":
-            self.max_memory_norm = MEMORY_NORM_PER_SQRT_HEAD_DIM * math.sqrt(self.memory_head_dim)
+            self.write_cost = rule.write_cost
+        if self.max_memory_norm is None and rule.memory_norm_per_sqrt_head_dim is not None:
+            self.max_memory_norm = rule.memory_norm_per_sqrt_head_dim * math.sqrt(self.memory_head_dim)
+
+    def _check_numbers(self) -> None:
+        """The real-valued settings finite floats within float32's range; `max_lr` and `max_memory_norm` positive,
+        `write_cost` not negative."""
         for name in ("max_lr", "max_memory_norm", "theta_bias_init", "forget_bias_init", "write_cost"):
             value = getattr(self, name)
-            if value is None and name == "max_memory_norm":  # the gradient rule's
+            if value is None and name == "max_memory_norm":  # a rule without a norm bound
                 continue
             if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
                     or abs(value) > FLOAT32_MAX):
@@ -275,25 +278,28 @@ class TitansMemoryConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
         if self.write_cost < 0:
             raise ValueError(f"write_cost={self.write_cost!r} must be >= 0 (a weight on the loss)")
-        if self.update_rule == "delta":
-            if (self.memory_model != "mlp" or self.memory_depth != 1
-                    or self.memory_batch_size not in (None, self.memory_chunk_size)):
-                raise ValueError(f"update_rule='delta' writes the linear memory token by token: it needs "
-                                 f"memory_model='mlp', memory_depth=1 and no memory_batch_size (got "
-                                 f"{self.memory_model!r}, {self.memory_depth}, {self.memory_batch_size}); set "
-                                 "update_rule='gradient' for these settings")
-            if self.max_lr > MAX_DELTA_RULE_LR:
-                raise ValueError(f"update_rule='delta' needs max_lr <= {MAX_DELTA_RULE_LR} (a step 2 theta <= 1 keeps "
-                                 f"each write a contraction along its key), got {self.max_lr}")
-        else:
-            if self.max_lr > MAX_GRADIENT_RULE_LR:
-                raise ValueError(f"max_lr={self.max_lr!r}: update_rule='gradient' needs max_lr <= "
-                                 f"{MAX_GRADIENT_RULE_LR:g} (its step is clipped, so a larger theta changes nothing "
-                                 "but the size of a surprise whose norm no longer fits float32: the write would "
-                                 "vanish)")
-            if self.max_memory_norm is not None:
-                raise ValueError("max_memory_norm bounds the delta rule's state; update_rule='gradient' is bounded by "
-                                 "its surprise clip and the forget gate")
+
+    def _check_rule_limits(self, rule: UpdateRule) -> None:
+        """The update rule's limits: the memories it runs on, its largest `max_lr`, its norm bound or none."""
+        if rule.writes_every_token and (self.memory_model != "mlp" or self.memory_depth != 1
+                                        or self.memory_batch_size not in (None, self.memory_chunk_size)):
+            chunked = " or ".join(f"update_rule={name!r}" for name, other in UPDATE_RULES.items()
+                                  if not other.writes_every_token)
+            raise ValueError(f"update_rule={rule.name!r} writes the linear memory token by token: it needs "
+                             f"memory_model='mlp', memory_depth=1 and no memory_batch_size (got "
+                             f"{self.memory_model!r}, {self.memory_depth}, {self.memory_batch_size}); set {chunked} "
+                             "for these settings")
+        if self.max_lr > rule.max_lr:
+            raise ValueError(f"max_lr={self.max_lr!r}: update_rule={rule.name!r} needs max_lr <= {rule.max_lr:g} "
+                             f"({rule.max_lr_reason})")
+        if rule.memory_norm_per_sqrt_head_dim is None and self.max_memory_norm is not None:
+            bounded = " / ".join(name for name, other in UPDATE_RULES.items()
+                                 if other.memory_norm_per_sqrt_head_dim is not None)
+            raise ValueError(f"max_memory_norm bounds the {bounded} rule's state; update_rule={rule.name!r} is "
+                             f"bounded by {rule.bounded_by}")
+
+    def _check_variant(self) -> None:
+        """mac's memory tokens, and no prefix tokens for the other variants."""
         if self.variant == "mac":
             if self.num_memory_tokens < 1:
                 raise ValueError("variant 'mac' needs num_memory_tokens >= 1 (the memory reaches attention through "
@@ -301,6 +307,9 @@ class TitansMemoryConfig:
         elif self.num_memory_tokens or self.num_persistent_tokens:
             raise ValueError(f"num_memory_tokens / num_persistent_tokens are only used by variant 'mac', got "
                              f"variant={self.variant!r}")
+
+    def _check_base(self) -> None:
+        """The memory's layers (sorted, once each) and the base's recorded shape."""
         if self.memory_layers is not None:
             if (not isinstance(self.memory_layers, (list, tuple)) or not self.memory_layers
                     or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.memory_layers)):
@@ -434,16 +443,16 @@ class TitansQwenConfig(PreTrainedConfig):
             )
         # Tying is decided on the top-level config, but Qwen checkpoints record it in their own config.
         self.tie_word_embeddings = bool(getattr(text, "tie_word_embeddings", False))
-        memory = self.memory_config
-        if memory is None:
-            memory = TitansMemoryConfig()
-        elif isinstance(memory, dict):
-            memory = TitansMemoryConfig.from_dict(memory, source="memory_config")
-        memory = memory.for_base(text)
-        if memory.attend_previous_chunk and set(text.layer_types) != {"full_attention"}:
+        memory_config = self.memory_config
+        if memory_config is None:
+            memory_config = TitansMemoryConfig()
+        elif isinstance(memory_config, dict):
+            memory_config = TitansMemoryConfig.from_dict(memory_config, source="memory_config")
+        memory_config = memory_config.for_base(text)
+        if memory_config.attend_previous_chunk and set(text.layer_types) != {"full_attention"}:
             raise ValueError(f"attend_previous_chunk needs full-attention layers; this base's layer_types are "
                              f"{sorted(set(text.layer_types))}")
-        self.memory_config = memory
+        self.memory_config = memory_config
 
     def to_dict(self) -> dict[str, Any]:
         output = super().to_dict()

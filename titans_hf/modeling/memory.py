@@ -416,17 +416,19 @@ class NeuralMemory(nn.Module):
         self.memory_depth, self.conv_kernel, self.conv_init = memory_depth, conv_kernel, conv_init
         self.memory_chunk_size, self.memory_batch_size = memory_chunk_size, memory_batch_size
         self.memory_model = memory_model
-        self.model = _registered(MEMORY_MODELS, "memory_model", memory_model)(memory_head_dim, memory_depth,
-                                                                               memory_expansion)
+        # the memory model M_W, the function each head learns (not an nn.Module: its weights are the state's)
+        memory_model_class = _registered(MEMORY_MODELS, "memory_model", memory_model)
+        self.memory_function = memory_model_class(memory_head_dim, memory_depth, memory_expansion)
         # M_W(z) = z + z W: the surprise is affine in W, and the gradient rule runs as ops.gradient_linear
-        self.affine = isinstance(self.model, MLPMemory) and len(self.model.shapes) == 1
+        self.affine = isinstance(self.memory_function, MLPMemory) and len(self.memory_function.shapes) == 1
         self.max_lr, self.max_surprise_norm = max_lr, max_surprise_norm
         self.update_rule, self.max_memory_norm = update_rule, max_memory_norm
         self.update_op = _registered(UPDATE_OPS, "update_rule", update_rule).bind(linear_memory=self.affine)
         self.update_settings = UpdateSettings(
-            model=self.model, update_rule=update_rule, memory_chunk_size=memory_chunk_size,
+            memory_function=self.memory_function, update_rule=update_rule, memory_chunk_size=memory_chunk_size,
             chunks_per_batch=memory_batch_size // memory_chunk_size, max_surprise_norm=max_surprise_norm,
-            max_memory_norm=max_memory_norm, explicit_gradient=isinstance(self.model, ExplicitMemoryModel))
+            max_memory_norm=max_memory_norm,
+            explicit_gradient=isinstance(self.memory_function, ExplicitMemoryModel))
         self.bias_init = (theta_bias_init, momentum_bias_init, forget_bias_init)
         inner = memory_num_heads * memory_head_dim
 
@@ -435,7 +437,8 @@ class NeuralMemory(nn.Module):
         self.conv_weight = nn.Parameter(torch.empty(3 * inner, conv_kernel))
         self.to_gates = nn.Linear(hidden_size, 3 * memory_num_heads)
         self.initial_weights = nn.ParameterList(
-            nn.Parameter(torch.empty(memory_num_heads, d_in, d_out)) for d_in, d_out in self.model.shapes
+            nn.Parameter(torch.empty(memory_num_heads, d_in, d_out))
+            for d_in, d_out in self.memory_function.shapes
         )
         self.reset_parameters()
 
@@ -455,7 +458,7 @@ class NeuralMemory(nn.Module):
             bias = self.to_gates.bias.view(3, self.memory_num_heads)
             for row, value in zip(bias, self.bias_init):
                 row.fill_(value)
-            self.model.init_weights(self.initial_weights)
+            self.memory_function.init_weights(self.initial_weights)
 
     @property
     def state_dtype(self) -> torch.dtype:
@@ -494,7 +497,7 @@ class NeuralMemory(nn.Module):
         q = F.linear(x, self.to_qkv.weight[:inner]).to(self.state_dtype)
         q = q * self.conv_weight[:inner, -1].to(self.state_dtype)
         q = F.normalize(F.silu(q.view(q.shape[0], -1, H, d).transpose(1, 2)), dim=-1).expand(rows, -1, -1, -1)
-        read = self.model(state.weights, q)
+        read = self.memory_function(state.weights, q)
         return read.transpose(1, 2).reshape(rows, -1, inner).to(hidden.dtype)
 
     def state_problem(self, state: MemoryState, batch_size: int) -> str | None:
@@ -512,12 +515,12 @@ class NeuralMemory(nn.Module):
         expected: list[tuple[str, Any, tuple[int, ...]]] = []
         for name in _LIST_FIELDS:
             tensors = getattr(state, name)
-            if not isinstance(tensors, (list, tuple)) or len(tensors) != len(self.model.shapes):
+            if not isinstance(tensors, (list, tuple)) or len(tensors) != len(self.memory_function.shapes):
                 got = f"{len(tensors)} tensors" if isinstance(tensors, (list, tuple)) else f"a {type(tensors).__name__}"
-                return (f"{name}: expected a list of {len(self.model.shapes)} tensor(s), one per fast weight of this "
-                        f"memory ({self.memory_model}, depth {self.memory_depth}), got {got}")
+                return (f"{name}: expected a list of {len(self.memory_function.shapes)} tensor(s), one per fast "
+                        f"weight of this memory ({self.memory_model}, depth {self.memory_depth}), got {got}")
             expected += [(f"{name}[{i}]", tensor, (B, H, d_in, d_out))
-                         for i, (tensor, (d_in, d_out)) in enumerate(zip(tensors, self.model.shapes))]
+                         for i, (tensor, (d_in, d_out)) in enumerate(zip(tensors, self.memory_function.shapes))]
         expected += [("conv_tail", state.conv_tail, (B, self.conv_kernel - 1, 3 * H * d)),
                      ("buffer_keys", state.buffer_keys, (B, H, held, d)),
                      ("buffer_values", state.buffer_values, (B, H, held, d)),
@@ -682,15 +685,16 @@ def _chunks(t: Tensor, chunk: int) -> Tensor:
 class _Surprise(torch.autograd.Function):
     """The inner gradients of the n chunks of a memory batch at one shared point P, as a single autograd node.
 
-    Inputs ``(model, C, *P, keys, values, 2 theta)`` with keys and values [rows, n * C, d]; outputs ``G`` per weight
-    [rows * n, d_in, d_out]. Saves P, the keys and the error; the model recomputes its activations in the backward.
+    Inputs ``(memory_function, C, *P, keys, values, 2 theta)`` with keys and values [rows, n * C, d]; outputs ``G``
+    per weight [rows * n, d_in, d_out]. Saves P, the keys and the error; the memory model recomputes its activations
+    in the backward.
     """
 
     @staticmethod
-    def forward(ctx, model: ExplicitMemoryModel, chunk: int, *tensors: Tensor) -> tuple[Tensor, ...]:
+    def forward(ctx, memory_function: ExplicitMemoryModel, chunk: int, *tensors: Tensor) -> tuple[Tensor, ...]:
         point, (keys, values, lr2) = tensors[:-3], tensors[-3:]
-        _, err, grads = model.inner_gradient(point, keys, values, lr2, chunk)
-        ctx.model, ctx.chunk = model, chunk
+        _, err, grads = memory_function.inner_gradient(point, keys, values, lr2, chunk)
+        ctx.memory_function, ctx.chunk = memory_function, chunk
         ctx.save_for_backward(*point, keys, err, lr2)
         return tuple(grads)
 
@@ -701,5 +705,6 @@ class _Surprise(torch.autograd.Function):
         gG = [torch.zeros(p.shape[0] * keys.shape[1] // ctx.chunk, *p.shape[1:], dtype=p.dtype, device=p.device)
               if g is None else g for g, p in zip(g_grads, point)]
         gP = [torch.zeros_like(p) for p in point]
-        g_keys, g_values, g_lr2 = ctx.model.inner_gradient_backward(point, keys, err, lr2, ctx.chunk, None, gG, gP)
+        g_keys, g_values, g_lr2 = ctx.memory_function.inner_gradient_backward(point, keys, err, lr2, ctx.chunk,
+                                                                              None, gG, gP)
         return (None, None, *gP, g_keys, g_values, g_lr2)

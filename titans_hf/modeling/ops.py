@@ -28,11 +28,13 @@ The ops, named as `update_rule` spells them:
   every chunk.
 * :func:`delta`: the delta rule (linear memory): every token's step at the weights the tokens before it left, solved
   chunk-parallel in the WY form of DeltaNet's chunkwise algorithm, then forgetting and the norm cap.
-* :func:`naive`: both rules as plain loops over rows, chunks and tokens, each token's inner gradient by autograd.
+* :func:`naive`: any rule as plain loops over rows, chunks and tokens, each token's inner gradient by autograd; a
+  rule's `reference` (:func:`gradient_reference`, :func:`delta_reference`) writes one row's chunk.
 
-Kernel seam: :data:`UPDATE_OPS` holds each rule's implementations (:class:`UpdateRuleOps`), and a `NeuralMemory`
-binds one of them when it is built: the rule's `kernel` when one is set, else its torch op (the linear memory's own
-where the rule has one); a rule that runs on the linear memory alone (the delta rule) refuses any other memory there.
+Kernel seam: :data:`UPDATE_OPS` holds each rule's settings (:class:`~.update_rules.UpdateRule`, what the config
+checks and resolves) and implementations (:class:`UpdateRuleOps`), and a `NeuralMemory` binds one of them when it is
+built: the rule's `kernel` when one is set, else its torch op (the linear memory's own where the rule has one); a
+rule that runs on the linear memory alone (the delta rule) refuses any other memory there.
 A kernel of the same signature (a Triton WY step, say) plugs in with ``UPDATE_OPS["delta"].kernel =
 chunk_delta_kernel``, before the model is built; it must serve every memory its rule runs on and may return the
 momentum as it came if its rule does not use it (the delta rule).
@@ -40,12 +42,15 @@ momentum as it came if its rule does not use it (the delta rule).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import Tensor
+
+from .update_rules import UPDATE_RULES, UpdateRule
 
 
 class MemoryFunction(Protocol):
@@ -65,17 +70,17 @@ class UpdateSettings:
     """What an update op reads of its memory besides the tokens and the state.
 
     Args:
-        model: the memory model, ``M_W(z)`` as ``model(weights, z)`` (a `memory.MemoryModel`).
+        memory_function: the memory model, ``M_W(z)`` as ``memory_function(weights, z)`` (a `memory.MemoryModel`).
         update_rule: the rule, as `update_rule` spells it ("gradient" or "delta").
         memory_chunk_size: tokens per update chunk.
         chunks_per_batch: update chunks per memory batch (`memory_batch_size` // `memory_chunk_size`).
         max_surprise_norm: the gradient rule's clip ``c`` of each chunk's surprise; None: no clip.
         max_memory_norm: the delta rule's cap on each head's Frobenius norm; None for the gradient rule.
-        explicit_gradient: the model writes its inner gradient out (an `ExplicitMemoryModel`): an update chunk whose
+        explicit_gradient: it writes its inner gradient out (an `ExplicitMemoryModel`): an update chunk whose
             reads and surprise share the current weights then runs as one autograd node (:class:`_ChunkStep`).
     """
 
-    model: MemoryFunction
+    memory_function: MemoryFunction
     update_rule: str
     memory_chunk_size: int
     chunks_per_batch: int
@@ -119,9 +124,10 @@ def gradient(q: Tensor, k: Tensor, v: Tensor, lr2: Tensor, etas: Sequence[Tensor
              valids: Sequence[Tensor | None], weights: list[Tensor], momentum: list[Tensor], grad_point: list[Tensor],
              first_chunk: int, settings: UpdateSettings) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:
     """Titans' chunked rule for any memory model, chunk after chunk: the chunks of a memory batch take their
-    surprise at one shared point in one call of ``model.surprise``; a chunk whose point is the current weights (every
-    chunk when ``chunks_per_batch`` is 1) runs as one fused node when the model writes its inner gradient out."""
-    model, clip = settings.model, settings.max_surprise_norm
+    surprise at one shared point in one call of ``memory_function.surprise``; a chunk whose point is the current
+    weights (every chunk when ``chunks_per_batch`` is 1) runs as one fused node when the memory model writes its inner
+    gradient out."""
+    memory_function, clip = settings.memory_function, settings.max_surprise_norm
     C, m, (BH, N, d) = settings.memory_chunk_size, settings.chunks_per_batch, q.shape
     n_full, L = N // C, len(weights)
     # groups of consecutive full chunks that share one gradient point (the rest of a memory batch)
@@ -143,16 +149,18 @@ def gradient(q: Tensor, k: Tensor, v: Tensor, lr2: Tensor, etas: Sequence[Tensor
             inputs = (*weights, *momentum, qk_parts[g] if qk_parts else torch.cat([q_parts[g], k_parts[g]], 1),
                       v_parts[g], lr2_parts[g], etas[chunk], keeps[chunk])
             if torch.is_grad_enabled():
-                out = _ChunkStep.apply(model, clip, *inputs)
+                out = _ChunkStep.apply(memory_function, clip, *inputs)
                 read, new_weights, new_momentum = out[0], out[1:L + 1], out[L + 1:]
             else:
-                read, new_weights, new_momentum = _ChunkStep.step(model, clip, *inputs)[:3]
+                read, new_weights, new_momentum = _ChunkStep.step(memory_function, clip,
+                                                                  *inputs)[:3]
             reads.append(read)
             weights, momentum = _keep_rows_without_tokens(new_weights, new_momentum, weights, momentum,
                                                           valids[chunk])
         else:
             split = lambda t: t.unflatten(1, (n, C))  # noqa: E731
-            grads = model.surprise(grad_point, split(k_parts[g]), split(v_parts[g]), split(lr2_parts[g]))
+            grads = memory_function.surprise(grad_point, split(k_parts[g]), split(v_parts[g]),
+                                             split(lr2_parts[g]))
             scale = _clip_scale(grads, clip)
             grads = list(zip(*[g_.unbind(1) for g_ in grads]))
             scales = [None] * n if scale is None else scale.unbind(1)
@@ -162,12 +170,12 @@ def gradient(q: Tensor, k: Tensor, v: Tensor, lr2: Tensor, etas: Sequence[Tensor
                 weights, momentum = _step(weights, momentum, grads[j], scales[j], etas[chunk + j], keeps[chunk + j],
                                           valids[chunk + j])
             stacked = [torch.stack(ws, dim=1) for ws in zip(*read_weights)]
-            reads.append(model(stacked, split(q_parts[g])).flatten(1, 2))
+            reads.append(memory_function(stacked, split(q_parts[g])).flatten(1, 2))
         chunk += n
         if (first_chunk + chunk) % m == 0:
             grad_point = weights
     if N > n_full * C:  # the unfinished chunk reads the latest weights and waits in the buffer
-        reads.append(model(weights, q_parts[-1]))
+        reads.append(memory_function(weights, q_parts[-1]))
     return torch.cat(reads, dim=1) if len(reads) > 1 else reads[0], weights, momentum, grad_point
 
 
@@ -245,13 +253,13 @@ def delta(q: Tensor, k: Tensor, v: Tensor, lr2: Tensor, etas: Sequence[Tensor], 
 def naive(q: Tensor, k: Tensor, v: Tensor, lr2: Tensor, etas: Sequence[Tensor], keeps: Sequence[Tensor],
           valids: Sequence[Tensor | None], weights: list[Tensor], momentum: list[Tensor], grad_point: list[Tensor],
           first_chunk: int, settings: UpdateSettings) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:
-    """Either rule (``settings.update_rule``) restated token by token: plain loops over rows, update chunks and
-    tokens, each token's inner gradient ``grad_W (lr2 / 2) ||M_W(k_t) - v_t||^2`` by autograd on ``settings.model``
-    (differentiable when grad mode is on). The gradient rule sums a chunk's token gradients at the gradient point,
-    clips the sum and applies momentum and forgetting; the delta rule steps token after token from the current
-    weights, then forgets and caps the norm. The reference the tests hold the other ops to; slow."""
-    model, C, m = settings.model, settings.memory_chunk_size, settings.chunks_per_batch
-    clip, cap = settings.max_surprise_norm, settings.max_memory_norm
+    """Any rule (``settings.update_rule``) restated token by token: plain loops over rows and update chunks, each
+    whole chunk written by its rule's `reference` (:class:`UpdateRuleOps`), each token's inner gradient
+    ``grad_W (lr2 / 2) ||M_W(k_t) - v_t||^2`` by autograd on ``settings.memory_function`` (differentiable when grad
+    mode is on).
+    The reference the tests hold the other ops to; slow."""
+    memory_function, C, m = settings.memory_function, settings.memory_chunk_size, settings.chunks_per_batch
+    reference = UPDATE_OPS[settings.update_rule].reference
     rows, N, _ = q.shape
     n_full = N // C
 
@@ -259,34 +267,21 @@ def naive(q: Tensor, k: Tensor, v: Tensor, lr2: Tensor, etas: Sequence[Tensor], 
         outer = torch.is_grad_enabled()
         with torch.enable_grad():
             point = [w if w.requires_grad else w.detach().requires_grad_() for w in point]
-            loss = lr2[row, t] / 2 * (model(point, k[row, t:t + 1]) - v[row, t:t + 1]).square().sum()
+            error = memory_function(point, k[row, t:t + 1]) - v[row, t:t + 1]
+            loss = lr2[row, t] / 2 * error.square().sum()
             return list(torch.autograd.grad(loss, point, create_graph=outer))
 
     reads, out_weights, out_momentum, out_points = [], [], [], []
     for row in range(rows):
+        row_gradient = functools.partial(token_gradient, row=row)
         W, S, P = [w[row] for w in weights], [s[row] for s in momentum], [p[row] for p in grad_point]
         row_reads = []
         for j in range(n_full + (N > n_full * C)):
             tokens = range(j * C, min(j * C + C, N))
-            row_reads += [model(W, q[row, t:t + 1]) for t in tokens]
+            row_reads += [memory_function(W, q[row, t:t + 1]) for t in tokens]
             if len(tokens) < C:
                 break
-            if settings.update_rule == "delta":
-                stepped = W
-                for t in tokens:
-                    stepped = [w - g for w, g in zip(stepped, token_gradient(stepped, t, row))]
-                new_W = [keeps[j][row] * w + (s - w) for w, s in zip(W, stepped)]
-                norm = torch.sqrt(sum(w.square().sum() for w in new_W))
-                new_W, new_S = [w * cap / norm.clamp(min=cap) for w in new_W], S
-            else:
-                surprise = [torch.zeros_like(w) for w in W]
-                for t in tokens:
-                    surprise = [s + g for s, g in zip(surprise, token_gradient(P, t, row))]
-                if clip is not None:
-                    norm = torch.sqrt(sum(s.square().sum() for s in surprise))
-                    surprise = [s * clip / norm.clamp(min=clip) for s in surprise]
-                new_S = [etas[j][row] * s - g for s, g in zip(S, surprise)]
-                new_W = [keeps[j][row] * w + s for w, s in zip(W, new_S)]
+            new_W, new_S = reference(W, S, P, tokens, row_gradient, etas[j][row], keeps[j][row], settings)
             if valids[j] is None or bool(valids[j][row]):
                 W, S = new_W, new_S
             if (first_chunk + j + 1) % m == 0:
@@ -302,24 +297,77 @@ def naive(q: Tensor, k: Tensor, v: Tensor, lr2: Tensor, etas: Sequence[Tensor], 
     return torch.stack(reads), new_weights, stack(out_momentum), new_weights if shared else stack(out_points)
 
 
+class TokenGradient(Protocol):
+    """One row's inner gradient of token `t` at the weights `point`, as :func:`naive` gives it to a reference."""
+
+    def __call__(self, point: list[Tensor], t: int) -> list[Tensor]: ...
+
+
+class ChunkReference(Protocol):
+    """A rule token by token on one row's whole update chunk (`tokens`), from its weights, momentum and gradient
+    point, with the chunk's momentum gate `eta` and ``keep = 1 - alpha``: the new weights and momentum."""
+
+    def __call__(self, weights: list[Tensor], momentum: list[Tensor], grad_point: list[Tensor], tokens: range,
+                 token_gradient: TokenGradient, eta: Tensor, keep: Tensor, settings: UpdateSettings
+                 ) -> tuple[list[Tensor], list[Tensor]]: ...
+
+
+def gradient_reference(weights: list[Tensor], momentum: list[Tensor], grad_point: list[Tensor], tokens: range,
+                       token_gradient: TokenGradient, eta: Tensor, keep: Tensor, settings: UpdateSettings
+                       ) -> tuple[list[Tensor], list[Tensor]]:
+    """The gradient rule on one row's whole update chunk, token by token: the tokens' gradients at the gradient
+    point summed, the sum clipped, then momentum and forgetting. Returns the new weights and momentum."""
+    clip = settings.max_surprise_norm
+    surprise = [torch.zeros_like(w) for w in weights]
+    for t in tokens:
+        surprise = [s + g for s, g in zip(surprise, token_gradient(grad_point, t))]
+    if clip is not None:
+        norm = torch.sqrt(sum(s.square().sum() for s in surprise))
+        surprise = [s * clip / norm.clamp(min=clip) for s in surprise]
+    new_momentum = [eta * s - g for s, g in zip(momentum, surprise)]
+    return [keep * w + s for w, s in zip(weights, new_momentum)], new_momentum
+
+
+def delta_reference(weights: list[Tensor], momentum: list[Tensor], grad_point: list[Tensor], tokens: range,
+                    token_gradient: TokenGradient, eta: Tensor, keep: Tensor, settings: UpdateSettings
+                    ) -> tuple[list[Tensor], list[Tensor]]:
+    """The delta rule on one row's whole update chunk, token by token: each token steps from the weights the tokens
+    before it left, then forgetting and the norm cap. Returns the new weights and the momentum as it came."""
+    cap = settings.max_memory_norm
+    stepped = weights
+    for t in tokens:
+        stepped = [w - g for w, g in zip(stepped, token_gradient(stepped, t))]
+    new_weights = [keep * w + (s - w) for w, s in zip(weights, stepped)]
+    norm = torch.sqrt(sum(w.square().sum() for w in new_weights))
+    return [w * cap / norm.clamp(min=cap) for w in new_weights], momentum
+
+
 # ---- the table a memory binds its op from ----
 
 
 @dataclass
 class UpdateRuleOps:
-    """The implementations of one update rule, each an :class:`UpdateOp`.
+    """One update rule: its settings and its implementations, each an :class:`UpdateOp`.
 
     Args:
-        name: the rule, as `update_rule` spells it (its key in :data:`UPDATE_OPS`).
+        rule: what the config knows of the rule (:class:`~.update_rules.UpdateRule`: its name, defaults, limits).
+        reference: the rule token by token on one row's whole update chunk (:class:`ChunkReference`), which
+            :func:`naive` runs.
         torch_op: torch's, for any memory model; None where the rule runs on the linear memory alone.
         linear_op: torch's for the linear memory (``M_W(z) = z + z W``), where the rule has its own.
         kernel: a device kernel that replaces both once set (e.g. ``UPDATE_OPS["delta"].kernel = ...``); None: torch.
     """
 
-    name: str
+    rule: UpdateRule
+    reference: ChunkReference
     torch_op: UpdateOp | None = None
     linear_op: UpdateOp | None = None
     kernel: UpdateOp | None = None
+
+    @property
+    def name(self) -> str:
+        """The rule, as `update_rule` spells it (its key in :data:`UPDATE_OPS`)."""
+        return self.rule.name
 
     def bind(self, linear_memory: bool) -> UpdateOp:
         """The op a memory runs, chosen once when it is built: the kernel, or else torch's (as Qwen3-Next binds
@@ -327,18 +375,21 @@ class UpdateRuleOps:
         (`linear_memory` false) is refused with a ValueError where the rule runs on the linear memory alone (no
         `torch_op`): its op would read the weights as that memory's single ``W``."""
         if not linear_memory and self.torch_op is None:
+            any_memory = " or ".join(f"update_rule={name!r}" for name, ops in UPDATE_OPS.items()
+                                     if ops.torch_op is not None)
             raise ValueError(f"update_rule={self.name!r} needs the linear memory, M_W(z) = z + z W (memory_model="
-                             "'mlp' with memory_depth 1); this memory is another: set memory_depth=1, or "
-                             "update_rule='gradient' for a deeper memory")
+                             f"'mlp' with memory_depth 1); this memory is another: set memory_depth=1, or "
+                             f"{any_memory} for a deeper memory")
         if self.kernel is not None:
             return self.kernel
         return self.linear_op if linear_memory and self.linear_op is not None else self.torch_op
 
 
-# Every update rule's implementations, by the name `update_rule` gives it (its keys: the config's UPDATE_RULES)
+# Every update rule's settings and implementations, by the name `update_rule` gives it (the keys of UPDATE_RULES, the
+# config's, in the same order). A rule is its entry in UPDATE_RULES and its line here.
 UPDATE_OPS: dict[str, UpdateRuleOps] = {rule.name: rule for rule in (
-    UpdateRuleOps("gradient", torch_op=gradient, linear_op=gradient_linear),
-    UpdateRuleOps("delta", linear_op=delta),
+    UpdateRuleOps(UPDATE_RULES["gradient"], gradient_reference, torch_op=gradient, linear_op=gradient_linear),
+    UpdateRuleOps(UPDATE_RULES["delta"], delta_reference, linear_op=delta),
 )}
 
 
@@ -383,20 +434,20 @@ class _ChunkStep(torch.autograd.Function):
     under the default ``memory_batch_size = memory_chunk_size``), as a single autograd node: an `ExplicitMemoryModel`'s
     inner gradient, the clip and the update rule, and their reverse.
 
-    Inputs ``(model, clip, *W, *S, [q; k], v, 2 theta, eta, 1 - alpha)``, rows = batch * heads; outputs
-    ``(read, *W_new, *S_new)``. Queries and keys go through the model as one [2C, d] block. Saves the inputs, the
-    error and (with a clip) G; the model recomputes its activations in the backward.
+    Inputs ``(memory_function, clip, *W, *S, [q; k], v, 2 theta, eta, 1 - alpha)``, rows = batch * heads; outputs
+    ``(read, *W_new, *S_new)``. Queries and keys go through the memory model as one [2C, d] block. Saves the inputs,
+    the error and (with a clip) G; the memory model recomputes its activations in the backward.
     """
 
     @staticmethod
-    def step(model: MemoryFunction, clip: float | None, *tensors: Tensor
+    def step(memory_function: MemoryFunction, clip: float | None, *tensors: Tensor
              ) -> tuple[Tensor, list[Tensor], list[Tensor], Tensor, list[Tensor], Tensor | None, Tensor | None]:
         """The forward arithmetic: ``(read, W_new, S_new, err, G, ||G||, scale)`` (the last two None without a
         clip). Called directly where no gradient is wanted (no autograd node to build or inputs to save)."""
-        L = len(model.shapes)
+        L = len(memory_function.shapes)
         W, S = tensors[:L], tensors[L:2 * L]
         qk, values, lr2, eta, keep = tensors[2 * L:]
-        reads, err, grads = model.inner_gradient(W, qk, values, lr2, values.shape[1])
+        reads, err, grads = memory_function.inner_gradient(W, qk, values, lr2, values.shape[1])
         norm = scale = None
         if clip is not None:
             norm = _dots(grads, grads).sqrt_()
@@ -408,12 +459,13 @@ class _ChunkStep(torch.autograd.Function):
         return reads, new_W, new_S, err, grads, norm, scale
 
     @staticmethod
-    def forward(ctx, model: MemoryFunction, clip: float | None, *tensors: Tensor) -> tuple[Tensor, ...]:
-        L = len(model.shapes)
-        reads, new_W, new_S, err, grads, norm, scale = _ChunkStep.step(model, clip, *tensors)
+    def forward(ctx, memory_function: MemoryFunction, clip: float | None, *tensors: Tensor
+                ) -> tuple[Tensor, ...]:
+        L = len(memory_function.shapes)
+        reads, new_W, new_S, err, grads, norm, scale = _ChunkStep.step(memory_function, clip, *tensors)
         W, S = tensors[:L], tensors[L:2 * L]
         qk, _, lr2, eta, keep = tensors[2 * L:]
-        ctx.model, ctx.clip = model, clip
+        ctx.memory_function, ctx.clip = memory_function, clip
         ctx.save_for_backward(*W, *S, qk, lr2, eta, keep, err,
                               *((*grads, norm, scale) if clip is not None else ()))
         return (reads, *new_W, *new_S)
@@ -421,8 +473,8 @@ class _ChunkStep(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_read: Tensor | None, *g_out: Tensor | None) -> tuple[Tensor | None, ...]:
-        model, clip = ctx.model, ctx.clip
-        L, saved = len(model.shapes), ctx.saved_tensors
+        memory_function, clip = ctx.memory_function, ctx.clip
+        L, saved = len(memory_function.shapes), ctx.saved_tensors
         W, S = saved[:L], saved[L:2 * L]
         qk, lr2, eta, keep, err = saved[2 * L:2 * L + 5]
         gW_new = [torch.zeros_like(w) if g is None else g for g, w in zip(g_out[:L], W)]
@@ -444,5 +496,6 @@ class _ChunkStep(torch.autograd.Function):
             coef = torch.where(norm > clip, g_scale * -clip / norm.clamp(min=clip) ** 3, 0.0)
             gG = [g.addcmul_(coef, G) for g, G in zip(gG, grads)]
 
-        g_qk, g_values, g_lr2 = model.inner_gradient_backward(W, qk, err, lr2, err.shape[1], g_read, gG, gW)
+        g_qk, g_values, g_lr2 = memory_function.inner_gradient_backward(W, qk, err, lr2, err.shape[1], g_read, gG,
+                                                                        gW)
         return (None, None, *gW, *gS, g_qk, g_values, g_lr2, g_eta, g_keep)

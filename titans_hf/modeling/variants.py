@@ -37,25 +37,26 @@ class TitansMemoryBlock(nn.Module):
 
     def __init__(self, config: TitansQwenConfig):
         super().__init__()
-        memory, hidden = config.memory_config, config.text_config.hidden_size
+        memory_config, hidden = config.memory_config, config.text_config.hidden_size
         self.neural_memory = NeuralMemory(
             hidden_size=hidden,
-            memory_num_heads=memory.memory_num_heads,
-            memory_head_dim=memory.memory_head_dim,
-            memory_depth=memory.memory_depth,
-            memory_expansion=memory.memory_expansion,
-            conv_kernel=memory.conv_kernel,
-            conv_init=memory.conv_init,
-            memory_chunk_size=memory.memory_chunk_size,
-            memory_batch_size=memory.memory_batch_size,
-            max_lr=memory.max_lr,
-            theta_bias_init=memory.theta_bias_init,
-            forget_bias_init=memory.forget_bias_init,
-            memory_model=memory.memory_model,
-            update_rule=memory.update_rule,
-            max_memory_norm=memory.max_memory_norm,
+            memory_num_heads=memory_config.memory_num_heads,
+            memory_head_dim=memory_config.memory_head_dim,
+            memory_depth=memory_config.memory_depth,
+            memory_expansion=memory_config.memory_expansion,
+            conv_kernel=memory_config.conv_kernel,
+            conv_init=memory_config.conv_init,
+            memory_chunk_size=memory_config.memory_chunk_size,
+            memory_batch_size=memory_config.memory_batch_size,
+            max_lr=memory_config.max_lr,
+            theta_bias_init=memory_config.theta_bias_init,
+            forget_bias_init=memory_config.forget_bias_init,
+            memory_model=memory_config.memory_model,
+            update_rule=memory_config.update_rule,
+            max_memory_norm=memory_config.max_memory_norm,
         )
-        self.output_weight = nn.Parameter(torch.zeros(hidden, memory.memory_num_heads * memory.memory_head_dim))
+        inner = memory_config.memory_num_heads * memory_config.memory_head_dim
+        self.output_weight = nn.Parameter(torch.zeros(hidden, inner))
 
     def initialize(self, std: float) -> None:
         """Initialise the block's own parameters (the NeuralMemory initialises itself)."""

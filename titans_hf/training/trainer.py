@@ -460,16 +460,16 @@ class TitansTrainer(FiniteSteps, CompiledChunks, Trainer):
 
             adapter = adapter_files(model, state_dict, folder=output_dir)
             state_dict = {name: tensor for name, tensor in state_dict.items() if not is_lora_parameter(name)}
-        memory = {memory_keys[name]: tensor for name, tensor in state_dict.items() if name in memory_keys}
-        base = {name: tensor for name, tensor in state_dict.items() if name not in memory_keys}
+        memory_tensors = {memory_keys[name]: tensor for name, tensor in state_dict.items() if name in memory_keys}
+        base_tensors = {name: tensor for name, tensor in state_dict.items() if name not in memory_keys}
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         atomic_write_json(Path(output_dir, TRAINING_ARGS_JSON_NAME),
                           {**json.loads(self.args.to_json_string()), "world_size": self.args.world_size})
         model_config = model.memory_folder_config() if hasattr(model, "memory_folder_config") else None
         memory_config = getattr(model.config, "memory_config", None)
-        save_memory_folder(output_dir, None if memory_config is None else memory_config.to_dict(), memory, base,
-                           model_config, adapter=adapter)
+        save_memory_folder(output_dir, None if memory_config is None else memory_config.to_dict(), memory_tensors,
+                           base_tensors, model_config, adapter=adapter)
         if Path(output_dir).resolve() == Path(self.args.output_dir).resolve():  # the final save, not a checkpoint
             folder = Path(output_dir)
             record_outputs(folder, [name for name in self._final_save_names if (folder / name).is_file()],
