@@ -226,7 +226,8 @@ def test_load_dataset_reads_a_snapshot_folder_filtered_by_task_and_length(tmp_pa
 
 
 def test_train_loader_expands_folders_and_filters(tmp_path, tiny_tokenizer_dir):
-    from titans_hf.training.recipe import DataArguments, load_babilong_splits
+    from titans_hf.tasks.babilong.training import load_babilong_splits
+    from titans_hf.training.recipe import DataArguments
 
     root = snapshot(tmp_path / "snapshot")
     json_file = tmp_path / "extra" / "rows.jsonl"

@@ -515,6 +515,15 @@ def format_results_table(results: Mapping[str, Any]) -> str:
     return table
 
 
+def format_evaluation(results: Mapping[str, Any]) -> str:
+    """What `titans-hf eval` prints of BABILong results: the table of every cell, then accuracy by distance."""
+    text = format_results_table(results)
+    by_distance = format_distance_table(results)
+    if by_distance:
+        text += f"\n\nby distance from the supporting fact to the question:\n{by_distance}"
+    return text
+
+
 def format_distance_table(results: Mapping[str, Any]) -> str:
     """A plain-text table of accuracy by distance (chunks from the supporting fact to the question), memory on and
     off, for every cell that has one; empty when none has."""
@@ -589,4 +598,5 @@ __all__ = [
     "plot_accuracy_by_distance",
     "format_results_table",
     "format_distance_table",
+    "format_evaluation",
 ]
