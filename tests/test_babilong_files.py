@@ -294,7 +294,8 @@ def test_eval_generate_takes_length_labels(tiny_qwen3_dir, tmp_path):
     model = _memory_model(tiny_qwen3_dir)
     memory_dir = model.save_memory(tmp_path / "memory")
     out = tmp_path / "eval"
-    with pytest.raises(ValueError, match=r"--generate writes \['qa1', 'qa2', 'qa3'\], not --tasks \['qa11'\]"):
+    with pytest.raises(ValueError,
+                       match=r"--generate writes \['qa1', 'qa2', 'qa3', 'passkey', 'mk'\], not --tasks \['qa11'\]"):
         cli_main(["eval", "--model", str(memory_dir), "--generate", "--tasks", "qa11", "--lengths", "72",
                   "--output", str(out)])
     with pytest.raises(ValueError, match=r"--lengths \['long'\] are not lengths"):

@@ -37,7 +37,7 @@ def test_importing_the_model_leaves_datasets_untouched():
 @pytest.mark.parametrize("imports", ["import titans_hf\nimport datasets", "import datasets\nimport titans_hf",
                                      "import titans_hf.data", "import titans_hf.modeling\nimport datasets"])
 def test_the_builders_register_once_datasets_and_titans_hf_are_both_imported(imports):
-    assert run(imports) == {"datasets_imported": True, "registered": ["titans_babilong", "titans_tokens"],
+    assert run(imports) == {"datasets_imported": True, "registered": ["titans_babilong", "titans_needle", "titans_tokens"],
                             "auto_config": "titans_qwen", "hooks": 0}
 
 

@@ -21,6 +21,7 @@ from typing import Any
 TASKS: dict[str, str] = {
     "babilong": "titans_hf.tasks.babilong.task",
     "recall": "titans_hf.tasks.recall.task",
+    "needle": "titans_hf.tasks.needle.task",
 }
 
 

@@ -148,7 +148,8 @@ class DataArguments:
         default=None,
         metadata={"help": "Without data_files: generate rows whose haystack has these token lengths (one set each)."},
     )
-    task: str = field(default="qa1", metadata={"help": "Generated task: qa1, qa2 or qa3."})
+    task: str = field(default="qa1", metadata={"help": "Generated task: qa1, qa2 or qa3 (titans_babilong), passkey or mk "
+                                                   "(titans_needle)."})
     num_samples: int = field(default=5000, metadata={"help": "Generated rows per length."})
     haystack_files: list[str] | None = field(
         default=None,
