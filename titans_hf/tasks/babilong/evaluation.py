@@ -133,6 +133,65 @@ def _fact_chunks(row: Mapping[str, str], task: str, tokenizer, chunk_size: int |
 # Entry point
 
 
+def _cell_answers(model, tokenizer, task, length, prompts, source, modes, progress, batch_rows, generation_config
+                  ) -> dict[str, list[str]]:
+    """The greedy answers of one cell's prompts in each mode (`batch_rows`: the prompts' batches)."""
+    _warn_about_length(task, length, prompts, source)
+    batches = batch_rows(prompts)
+    answers: dict[str, list[str]] = {}
+    for mode in modes:
+        progress.set_description(f"{task} {length} {mode.replace('_', ' ')}")
+        if mode == "memory":
+            answers[mode] = generate_answers(model, tokenizer, prompts, batches, generation_config, progress)
+        else:
+            with model.memory_disabled():
+                answers[mode] = generate_answers(model, tokenizer, prompts, batches, generation_config, progress)
+    return answers
+
+
+def _score_cell(task, length, rows, prompts, answers: Mapping[str, list[str]], tokenizer, chunk_size: int | None
+                ) -> tuple[dict[str, Any], list[str]]:
+    """(the cell's details, its predictions.jsonl lines): the scores per mode beside the recency baseline, and by
+    distance where the supporting facts can be found."""
+    labels, labels_from = task_labels(task, rows)
+    baseline = last_location_baseline(rows, labels)
+    key = str(length)
+    fact_chunks = [_fact_chunks(row, task, tokenizer, chunk_size) for row in rows]
+    distances = [None if chunks is None else chunks[1] - chunks[0] for chunks in fact_chunks]
+    detail: dict[str, Any] = {
+        "num_samples": len(rows),
+        "prompt_tokens": {
+            "min": min(map(len, prompts)),
+            "max": max(map(len, prompts)),
+            "mean": sum(map(len, prompts)) / len(prompts),
+        },
+        "labels": labels,
+        "labels_from": labels_from,
+        "chance": 1 / len(labels),
+        "last_location_baseline": baseline["accuracy"],
+        "num_not_last_location": baseline["num_not_last_location"],
+    }
+    for mode in answers:
+        detail[mode] = score_predictions(rows, answers[mode], labels)
+    known = [distance for distance in distances if distance is not None]
+    if known:
+        hits = {mode: [score_exact_match(answer, row["target"]) for answer, row in zip(answers[mode], rows)]
+                for mode in answers}
+        detail["distance_chunks"] = {"min": min(known), "max": max(known), "mean": sum(known) / len(known),
+                                     "num_samples": len(known)}
+        detail["by_distance"] = accuracy_by_distance(distances, hits)
+    lines = []
+    for index, row in enumerate(rows):
+        line = {"task": task, "length": key, "index": index, "target": row["target"],
+                "last_location": last_mentioned_label(row["input"], labels)}
+        if fact_chunks[index] is not None:
+            line.update(fact_chunk=fact_chunks[index][0], question_chunk=fact_chunks[index][1],
+                        distance_chunks=distances[index])
+        line.update({mode: answers[mode][index] for mode in answers})
+        lines.append(json.dumps(line, ensure_ascii=False))
+    return detail, lines
+
+
 def evaluate_babilong(
     model,
     tokenizer,
@@ -204,56 +263,15 @@ def evaluate_babilong(
     try:
         with tqdm(total=total, desc="BABILong eval", unit="answer", disable=not show_progress) as progress:
             for task, length, rows, source in cells:
-                labels, labels_from = task_labels(task, rows)
                 prompts = [prompt_ids(row, tokenizer) for row in rows]
-                _warn_about_length(task, length, prompts, source)
-                batches = answer_batches(prompts, batch_size, padding_multiple)
-                answers: dict[str, list[str]] = {}
-                for mode in modes:
-                    progress.set_description(f"{task} {length} {mode.replace('_', ' ')}")
-                    if mode == "memory":
-                        answers[mode] = generate_answers(model, tokenizer, prompts, batches, generation_config, progress)
-                    else:
-                        with model.memory_disabled():
-                            answers[mode] = generate_answers(
-                                model, tokenizer, prompts, batches, generation_config, progress
-                            )
-                baseline = last_location_baseline(rows, labels)
-                key = str(length)
-                fact_chunks = [_fact_chunks(row, task, tokenizer, chunk_size) for row in rows]
-                distances = [None if chunks is None else chunks[1] - chunks[0] for chunks in fact_chunks]
-                detail: dict[str, Any] = {
-                    "num_samples": len(rows),
-                    "prompt_tokens": {
-                        "min": min(map(len, prompts)),
-                        "max": max(map(len, prompts)),
-                        "mean": sum(map(len, prompts)) / len(prompts),
-                    },
-                    "labels": labels,
-                    "labels_from": labels_from,
-                    "chance": 1 / len(labels),
-                    "last_location_baseline": baseline["accuracy"],
-                    "num_not_last_location": baseline["num_not_last_location"],
-                }
-                for mode in modes:
-                    detail[mode] = score_predictions(rows, answers[mode], labels)
-                known = [distance for distance in distances if distance is not None]
-                if known:
-                    hits = {mode: [score_exact_match(answer, row["target"]) for answer, row in zip(answers[mode], rows)]
-                            for mode in modes}
-                    detail["distance_chunks"] = {"min": min(known), "max": max(known), "mean": sum(known) / len(known),
-                                                 "num_samples": len(known)}
-                    detail["by_distance"] = accuracy_by_distance(distances, hits)
-                results["details"].setdefault(task, {})[key] = detail
-                results["accuracy"].setdefault(task, {})[key] = {mode: detail[mode]["exact_match"] for mode in modes}
-                for index, row in enumerate(rows):
-                    line = {"task": task, "length": key, "index": index, "target": row["target"],
-                            "last_location": last_mentioned_label(row["input"], labels)}
-                    if fact_chunks[index] is not None:
-                        line.update(fact_chunk=fact_chunks[index][0], question_chunk=fact_chunks[index][1],
-                                    distance_chunks=distances[index])
-                    line.update({mode: answers[mode][index] for mode in modes})
-                    prediction_lines.append(json.dumps(line, ensure_ascii=False))
+                answers = _cell_answers(model, tokenizer, task, length, prompts, source, modes, progress,
+                                        lambda prompts: answer_batches(prompts, batch_size, padding_multiple),
+                                        generation_config)
+                detail, lines = _score_cell(task, length, rows, prompts, answers, tokenizer, chunk_size)
+                results["details"].setdefault(task, {})[str(length)] = detail
+                results["accuracy"].setdefault(task, {})[str(length)] = {mode: detail[mode]["exact_match"]
+                                                                         for mode in modes}
+                prediction_lines += lines
     finally:
         model.train(was_training)
 
