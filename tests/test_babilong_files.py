@@ -226,7 +226,8 @@ def test_load_dataset_reads_a_snapshot_folder_filtered_by_task_and_length(tmp_pa
 
 
 def test_train_loader_expands_folders_and_filters(tmp_path, tiny_tokenizer_dir):
-    from titans_hf.training.recipe import DataArguments, load_babilong_splits
+    from titans_hf.tasks.babilong.training import load_babilong_splits
+    from titans_hf.training.recipe import DataArguments
 
     root = snapshot(tmp_path / "snapshot")
     json_file = tmp_path / "extra" / "rows.jsonl"
@@ -293,7 +294,8 @@ def test_eval_generate_takes_length_labels(tiny_qwen3_dir, tmp_path):
     model = _memory_model(tiny_qwen3_dir)
     memory_dir = model.save_memory(tmp_path / "memory")
     out = tmp_path / "eval"
-    with pytest.raises(ValueError, match=r"--generate writes \['qa1', 'qa2', 'qa3'\], not --tasks \['qa11'\]"):
+    with pytest.raises(ValueError,
+                       match=r"--generate writes \['qa1', 'qa2', 'qa3', 'passkey', 'mk'\], not --tasks \['qa11'\]"):
         cli_main(["eval", "--model", str(memory_dir), "--generate", "--tasks", "qa11", "--lengths", "72",
                   "--output", str(out)])
     with pytest.raises(ValueError, match=r"--lengths \['long'\] are not lengths"):

@@ -33,7 +33,8 @@ from titans_hf.tasks.babilong.generate import (
     read_haystack_sentences,
     split_sentences,
 )
-from titans_hf.training.recipe import DataArguments, load_babilong_splits
+from titans_hf.tasks.babilong.training import load_babilong_splits
+from titans_hf.training.recipe import DataArguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import fetch_haystacks  # noqa: E402

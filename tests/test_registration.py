@@ -34,14 +34,14 @@ def run(imports: str) -> dict:
 def test_importing_the_model_runs_the_package_import_and_installs_no_import_hook():
     """`titans_hf.modeling` sits in the package: its import runs `titans_hf`'s, which registers the builders."""
     assert run("import titans_hf.modeling") == {"datasets_imported": True,
-                                                "registered": ["titans_babilong", "titans_tokens"],
+                                                "registered": ["titans_babilong", "titans_needle", "titans_tokens"],
                                                 "auto_config": "titans_qwen", "hooks": 0}
 
 
 @pytest.mark.parametrize("imports", ["import titans_hf", "import titans_hf\nimport datasets",
                                      "import datasets\nimport titans_hf", "import titans_hf.data"])
 def test_importing_titans_hf_or_its_data_code_registers_the_builders(imports):
-    assert run(imports) == {"datasets_imported": True, "registered": ["titans_babilong", "titans_tokens"],
+    assert run(imports) == {"datasets_imported": True, "registered": ["titans_babilong", "titans_needle", "titans_tokens"],
                             "auto_config": "titans_qwen", "hooks": 0}
 
 

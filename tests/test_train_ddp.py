@@ -193,7 +193,8 @@ def test_cli_and_script_are_one_deterministic_entry(tmp_path, tiny_qwen3_dir, ba
 
 
 def test_generated_lengths_are_built_and_split_per_length(tiny_qwen3_dir):
-    from titans_hf.training.recipe import DataArguments, load_babilong_splits
+    from titans_hf.tasks.babilong.training import load_babilong_splits
+    from titans_hf.training.recipe import DataArguments
 
     data_args = DataArguments(generate_lengths=[80, 200], num_samples=10, max_length=256, answer_reserve_tokens=8)
     train, evaluation = load_babilong_splits(data_args, str(tiny_qwen3_dir), pad_to_max_length=False)

@@ -1,19 +1,23 @@
 """The `titans-hf` command: one module per subcommand (`register(subcommands)` adds its parser and sets `func`, a
-callable of the parsed Namespace returning the exit status); `arguments` holds what the parsers share."""
+callable of the parsed Namespace returning the exit status); `arguments` holds what the parsers share. A task's own
+subcommand (`titans-hf babilong`, `titans-hf recall`) is the module its `Task` names (`titans_hf.tasks.TASKS`)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from huggingface_hub.errors import OfflineModeIsEnabled
 
 from titans_hf import __version__
+from titans_hf.tasks import all_tasks
 
-from . import babilong, demo, evaluate, lm_harness, prepare, push, recall, train
+from . import demo, evaluate, lm_harness, prepare, push, train
 from .arguments import one_spelling
 
-SUBCOMMANDS = (prepare, babilong, recall, train, evaluate, lm_harness, push, demo)
+TASK_SUBCOMMANDS = tuple(importlib.import_module(task.command) for task in all_tasks() if task.command)
+SUBCOMMANDS = (prepare, *TASK_SUBCOMMANDS, train, evaluate, lm_harness, push, demo)
 DESCRIPTION = ("Give a pretrained Qwen a Titans long-term memory, so it reads inputs far longer than its attention "
                "window, and measure what the memory buys.")
 EPILOG = ("`titans-hf COMMAND --help` says what each flag does. Every flag takes both spellings (--window-size and "

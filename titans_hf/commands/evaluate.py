@@ -1,5 +1,6 @@
-"""`titans-hf eval`: BABILong accuracy per task and length with the memory on and off, as JSON and a heatmap;
-with `--lm`, loss per chunk index on held-out windows of token stores, as JSON and a plot."""
+"""`titans-hf eval`: a task's accuracy per task and length with the memory on and off (BABILong, or any task of
+`titans_hf.tasks.TASKS`), as JSON and a heatmap; with `--lm`, loss per chunk index on held-out windows of token
+stores, as JSON and a plot."""
 
 from __future__ import annotations
 
@@ -13,15 +14,9 @@ from titans_hf.data.tokenizers import check_tokenizer_argument
 from titans_hf.data.tokens_builder import check_stores_tokenizer, store_data_files
 from titans_hf.lm_evaluation import LM_OUTPUT_NAMES, LM_PLOT_NAME, LM_RESULTS_NAME, evaluate_lm, format_lm_table
 from titans_hf.outputs import prepare_output_dir
-from titans_hf.tasks.babilong import GENERATED_TASKS, generate_babilong, length_tokens
-from titans_hf.tasks.babilong.evaluation import (
-    OUTPUT_NAMES,
-    babilong_files_by_task_length,
-    evaluate_babilong,
-    format_distance_table,
-    format_results_table,
-    load_model_for_eval,
-)
+from titans_hf.tasks import Task, eval_task_names, task, task_for_eval
+from titans_hf.tasks.babilong import length_tokens
+from titans_hf.tasks.babilong.evaluation import babilong_files_by_task_length, load_model_for_eval
 from titans_hf.tasks.babilong.generate import read_haystack_sentences
 
 from .arguments import add_model_arguments, length
@@ -48,8 +43,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                         "with --lm, token stores (.h5, .bin store files or folders)")
     source.add_argument("--generate", action="store_true", help="generate rows offline (--tasks, --lengths)")
     data.add_argument("--tasks", nargs="+", default=None,
-                      help="--data: only these tasks (one task also names files whose path does not); "
-                      f"--generate: tasks to generate, of {list(GENERATED_TASKS)} (default qa1)")
+                      help="--data: only these tasks (one task also names files whose path does not; a task of "
+                      "another package than BABILong, e.g. passkey, scores the files as that task); --generate: "
+                      f"tasks to generate, of {eval_task_names()} (default qa1); one task package a run")
     data.add_argument("--lengths", nargs="+", default=None,
                       help="--data: only these length labels (e.g. 4k 32k; one also names files whose path does "
                       "not); --generate: input lengths in tokens (e.g. 3500 or 4k = 4096), required")
@@ -115,18 +111,32 @@ def _check_arguments(args: argparse.Namespace) -> None:
             check_tokenizer_argument(value, flag)
 
 
+def _task_of(names: list[str] | None, generate: bool) -> Task:
+    """The one task package that scores `--tasks` (BABILong when none is named), checked before any model loads."""
+    if not names:
+        return task("babilong")
+    if generate:
+        unknown = [name for name in names if name not in eval_task_names()]
+        if unknown:
+            raise ValueError(f"titans-hf eval --generate writes {eval_task_names()}, not --tasks {unknown}")
+    owners = {name: task_for_eval(name) if name in eval_task_names() else task("babilong") for name in names}
+    packages = sorted({owner.name for owner in owners.values()})
+    if len(packages) > 1:
+        raise ValueError(f"titans-hf eval --tasks {names}: tasks of {packages} in one run; run each package alone "
+                         "(their results differ in kind)")
+    return next(iter(owners.values()))
+
+
 def eval_command(args: argparse.Namespace) -> int:
     _check_arguments(args)
     if args.lm:
         return lm_eval_command(args)
     # Everything that can be checked is checked before the (slow) model load and generation.
+    owner = _task_of(args.tasks, args.generate)
     if args.generate:
         if not args.lengths:
             raise ValueError("titans-hf eval --generate needs --lengths (input lengths in tokens)")
         tasks = args.tasks or ["qa1"]
-        unknown = [task for task in tasks if task not in GENERATED_TASKS]
-        if unknown:
-            raise ValueError(f"titans-hf eval --generate writes {list(GENERATED_TASKS)}, not --tasks {unknown}")
         lengths = {label: length_tokens(label) for label in args.lengths}
         bad = [label for label, tokens in lengths.items() if tokens is None]
         if bad:
@@ -136,23 +146,20 @@ def eval_command(args: argparse.Namespace) -> int:
             read_haystack_sentences(**haystack)  # missing or unreadable text fails before the model loads
     else:
         data = babilong_files_by_task_length(args.data, args.tasks, args.lengths)
-    prepare_output_dir(args.output, OUTPUT_NAMES, overwrite=args.overwrite)
+    prepare_output_dir(args.output, owner.output_names, overwrite=args.overwrite)
     model, tokenizer = load_model_for_eval(args.model, args.memory, args.tokenizer, args.dtype, args.device)
     if args.generate:
         data = {
-            (task, label): generate_babilong(task, args.num_samples, tokens, tokenizer, args.seed, **haystack)
-            for task in tasks
+            (name, label): owner.generate_rows(name, args.num_samples, tokens, tokenizer, args.seed, **haystack)
+            for name in tasks
             for label, tokens in lengths.items()
         }
-    results = evaluate_babilong(
+    results = owner.evaluate(
         model, tokenizer, data, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
         output_dir=args.output, ablation=not args.no_ablation,
     )
-    print(format_results_table(results))
-    by_distance = format_distance_table(results)
-    if by_distance:
-        print(f"\nby distance from the supporting fact to the question:\n{by_distance}")
-    written = [name for name in OUTPUT_NAMES if (Path(args.output) / name).exists()]
+    print(owner.format_results(results))
+    written = [name for name in owner.output_names if (Path(args.output) / name).exists()]
     print(f"wrote {', '.join(str(Path(args.output) / name) for name in written)}")
     return 0
 

@@ -2,11 +2,12 @@
 
 Importing this package (or `titans_hf`, see its docstring) registers the builders below the way `datasets`
 lists its packaged ones (csv, json, ...), so `load_dataset("titans_tokens", data_files=..., ...)` works offline,
-streaming included: `load_dataset` looks names up in that same dict. Registering one more builder is one more
-entry in `BUILDER_MODULES`. This is the package's one use of `datasets` internals; `check_datasets_internals`
-fails loudly, naming what moved, when a `datasets` release changes them.
+streaming included: `load_dataset` looks names up in that same dict. The builders are `titans_tokens` (this
+package's) and one per task package holding a `builder.py` (`titans_<package>`, see `task_builders`): found by
+their place, so that the data code loads no task code. This is the package's one use of `datasets` internals;
+`check_datasets_internals` fails loudly, naming what moved, when a `datasets` release changes them.
 
-A builder that can generate its rows (`titans_babilong` with `task=`) needs no data files, but
+A task's builder generates its rows (`titans_babilong` with `task=`) and so needs no data files, but
 `datasets` 5.2 resolves data files for a packaged builder from the working directory when none are
 given: slow in a large folder, an `EmptyDatasetError` in an empty one, and in between it hands the
 builder whatever files happen to lie there. For the builders in `GENERATING_BUILDERS`, a call with
@@ -16,23 +17,44 @@ neither `data_files` nor `data_dir` therefore goes straight to the builder with 
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 
 from datasets import load as datasets_load
 from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
 
-BUILDER_MODULES: dict[str, str] = {
-    "titans_tokens": "titans_hf.data.tokens_builder",
-    "titans_babilong": "titans_hf.tasks.babilong.builder",
-}
+PACKAGE = Path(__file__).resolve().parent.parent
+TASK_PACKAGES_FOLDER = "tasks"
+_TASK_MODULE = re.compile(r"titans_hf\.tasks\.(\w+)")
+
+
+def task_builders() -> dict[str, str]:
+    """{builder name: module} of the task packages that hold a `builder.py`: `tasks/needle/builder.py` is
+    `titans_needle` in `titans_hf.tasks.needle.builder`. Read from the files' places, nothing imported."""
+    return {f"titans_{builder.parent.name}": f"titans_hf.{TASK_PACKAGES_FOLDER}.{builder.parent.name}.builder"
+            for builder in sorted((PACKAGE / TASK_PACKAGES_FOLDER).glob("*/builder.py"))}
+
+
+def _task_builder_sources(package: str) -> tuple[str, ...]:
+    """The code a task builder's rows depend on: the tokenizer helpers, its package, and every other task package
+    its package names (a builder may reuse another task's example assembly or haystacks)."""
+    folder = PACKAGE / TASK_PACKAGES_FOLDER
+    used = {package} | {name for file in (folder / package).glob("*.py")
+                        for name in _TASK_MODULE.findall(file.read_text(encoding="utf-8"))
+                        if (folder / name).is_dir()}
+    return ("data/tokenizers.py", *(f"{TASK_PACKAGES_FOLDER}/{name}/*.py" for name in sorted(used)))
+
+
+BUILDER_MODULES: dict[str, str] = {"titans_tokens": "titans_hf.data.tokens_builder", **task_builders()}
 
 # The code each builder's rows depend on (globs under the package), hashed into its datasets cache key.
 BUILDER_SOURCES: dict[str, tuple[str, ...]] = {
     "titans_tokens": ("data/stores.py", "data/windows.py", "data/tokens_builder.py"),
-    "titans_babilong": ("data/tokenizers.py", "tasks/babilong/*.py"),
+    **{name: _task_builder_sources(name.removeprefix("titans_")) for name in task_builders()},
 }
 
-GENERATING_BUILDERS = {"titans_babilong"}
+# Builders that generate their rows when no data file is named: every task's.
+GENERATING_BUILDERS = set(task_builders())
 # Builders that read nothing but the files named: a call naming none is refused instead of reading the working
 # directory.
 NAMED_FILES_BUILDERS = {"titans_tokens"}
@@ -41,11 +63,10 @@ NAMED_FILES_BUILDERS = {"titans_tokens"}
 def source_hash(builder: str) -> str:
     """Hash of the code `builder`'s rows depend on (`BUILDER_SOURCES`), used as its `datasets` module hash: a change
     to that code rebuilds its Arrow cache, and no other edit does."""
-    package = Path(__file__).resolve().parent.parent
-    files = {file for pattern in BUILDER_SOURCES[builder] for file in package.glob(pattern)}
+    files = {file for pattern in BUILDER_SOURCES[builder] for file in PACKAGE.glob(pattern)}
     digest = hashlib.sha256()
     for file in sorted(files):
-        digest.update(file.relative_to(package).as_posix().encode())
+        digest.update(file.relative_to(PACKAGE).as_posix().encode())
         digest.update(file.read_bytes())
     return digest.hexdigest()
 

@@ -1,10 +1,10 @@
 """Train the memory of a TitansQwen: the logic behind `titans-hf train` and `scripts/train.py`.
 
 Two kinds of data, one recipe (`--dataset`):
-- `titans_babilong` (the default): BABILong files, snapshot folders or the offline generator. Defaults follow the
-  seed recipe (32768-token rows, chunks of 4096, 64 tokens kept for the answer, batch 1 per device, gradient
-  accumulation 8, a log line every 80 batches, a 0.9 train split, a final memory checkpoint); `evaluate()` reports
-  the exact match of the answers.
+- a task's builder (`titans_hf.tasks.TASKS`), `titans_babilong` the default: BABILong files, snapshot folders or the
+  offline generator. Defaults follow the seed recipe (32768-token rows, chunks of 4096, 64 tokens kept for the
+  answer, batch 1 per device, gradient accumulation 8, a log line every 80 batches, a 0.9 train split, a final
+  memory checkpoint); `evaluate()` reports the exact match of the answers.
 - `titans_tokens`: your own long documents, `titans-hf prepare`d into `seq` or `sft` token stores, read as windows
   of `--window_size` tokens (many chunks each), or `dpo` / `grpo` stores, read as whole records (a prompt and its
   answers; see `titans_hf.training.preference.completions_loss`); held out by `--eval_data_files` or a seeded
@@ -40,8 +40,7 @@ from titans_hf.data.tokens_builder import check_stores_tokenizer, store_data_fil
 from titans_hf.modeling import MEMORY_VARIANTS, TitansQwenForCausalLM
 from titans_hf.modeling.configuration_titans_qwen import CONV_INITS, TitansMemoryConfig
 from titans_hf.modeling.memory import MEMORY_MODELS
-from titans_hf.tasks.babilong import find_babilong_sources
-from titans_hf.tasks.babilong.builder import build_babilong
+from titans_hf.tasks import task_builder_names, task_for_builder
 
 from .trainer import TitansTrainer, answer_exact_match
 from .training_args import TitansTrainingArguments
@@ -89,7 +88,8 @@ def _memory_arguments() -> type:
 MemoryArguments = _memory_arguments()
 
 
-DATASETS = ("titans_babilong", "titans_tokens")
+TOKENS_DATASET = "titans_tokens"
+DATASETS = (*task_builder_names(), TOKENS_DATASET)
 
 
 @dataclass
@@ -101,8 +101,8 @@ class DataArguments:
 
     dataset: str = field(
         default="titans_babilong",
-        metadata={"help": "titans_babilong (BABILong files or generated rows) or titans_tokens (token stores "
-                  "written by titans-hf prepare)."},
+        metadata={"help": f"a task's rows, of {list(task_builder_names())} (titans_babilong: BABILong files or "
+                  "generated rows), or titans_tokens (token stores written by titans-hf prepare)."},
     )
     data_files: list[str] | None = field(
         default=None,
@@ -148,7 +148,8 @@ class DataArguments:
         default=None,
         metadata={"help": "Without data_files: generate rows whose haystack has these token lengths (one set each)."},
     )
-    task: str = field(default="qa1", metadata={"help": "Generated task: qa1, qa2 or qa3."})
+    task: str = field(default="qa1", metadata={"help": "Generated task: qa1, qa2 or qa3 (titans_babilong), passkey or mk "
+                                                   "(titans_needle)."})
     num_samples: int = field(default=5000, metadata={"help": "Generated rows per length."})
     haystack_files: list[str] | None = field(
         default=None,
@@ -191,7 +192,7 @@ class DataArguments:
     def __post_init__(self):
         if self.dataset not in DATASETS:
             raise ValueError(f"--dataset {self.dataset!r} must be one of {list(DATASETS)}")
-        if self.dataset == "titans_tokens":
+        if self.dataset == TOKENS_DATASET:
             if not self.data_files:
                 raise ValueError("--dataset titans_tokens needs --data_files (token stores written by titans-hf "
                                  "prepare)")
@@ -214,63 +215,6 @@ class RecipeTrainingArguments(TitansTrainingArguments):
         default="outputs/titans_memory",
         metadata={"help": "Checkpoints go to checkpoint-N below it, the final memory into it."},
     )
-
-
-def load_babilong_splits(
-    data_args: DataArguments, tokenizer_name_or_path: str, pad_to_max_length: bool
-) -> tuple[datasets.Dataset, datasets.Dataset]:
-    """Train and evaluation rows of the `titans_babilong` builder, one build per source.
-
-    BABILong files go through `load_dataset("titans_babilong", data_files=...)`, as a user would
-    load them, after folders are expanded into the files they hold and `data_tasks` / `data_lengths`
-    have picked the sets (`find_babilong_sources`); generated rows through the builder-class route
-    (`build_babilong`), one build per length.
-    """
-    common = dict(
-        tokenizer=tokenizer_name_or_path,
-        max_length=data_args.max_length,
-        answer_reserve_tokens=data_args.answer_reserve_tokens,
-        pad_to_max_length=pad_to_max_length,
-        train_ratio=data_args.train_ratio,
-        seed=data_args.generation_seed,
-        truncate_answers=data_args.truncate_answers,
-    )
-    if data_args.data_files:
-        tasks, lengths = data_args.data_tasks, data_args.data_lengths
-        sources = find_babilong_sources(data_args.data_files, tasks, lengths)
-        files = [str(path) for source in sources for path in source.paths]
-        # a single task / length names the files whose path does not (the builder keeps the ones that do)
-        labels = {name: values[0] for name, values in (("task", tasks), ("length", lengths))
-                  if values and len(values) == 1}
-        builds = [datasets.load_dataset("titans_babilong", data_files=files, **labels, **common)]
-    elif data_args.generate_lengths:
-        haystack = dict(
-            haystack_files=tuple(data_args.haystack_files) if data_args.haystack_files else None,
-            haystack_dataset=data_args.haystack_dataset,
-            haystack_data_files=tuple(data_args.haystack_data_files) if data_args.haystack_data_files else None,
-            haystack_split=data_args.haystack_split,
-            haystack_column=data_args.haystack_column,
-        )
-        builds = [
-            build_babilong(
-                task=data_args.task,
-                length=length,
-                num_samples=data_args.num_samples,
-                **haystack,
-                **common,
-            )
-            for length in data_args.generate_lengths
-        ]
-    else:
-        raise ValueError("no data: pass --data_files (BABILong files or folders) or --generate_lengths (offline "
-                         "generator)")
-    train = datasets.concatenate_datasets([build["train"] for build in builds])
-    evaluation = datasets.concatenate_datasets([build["validation"] for build in builds])
-    if data_args.max_train_samples is not None:
-        train = train.select(range(min(data_args.max_train_samples, len(train))))
-    if data_args.max_eval_samples is not None:
-        evaluation = evaluation.select(range(min(data_args.max_eval_samples, len(evaluation))))
-    return train, evaluation
 
 
 def load_token_splits(data_args: DataArguments, vocab_size: int, tokenizer: Any = None
@@ -339,7 +283,7 @@ def train_memory(
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_name, trust_remote_code=False)
     # Rank 0 builds the Arrow cache; the other ranks then read it instead of racing to write it.
     with training_args.main_process_first(desc=f"building {data_args.dataset} rows"):
-        if data_args.dataset == "titans_tokens":
+        if data_args.dataset == TOKENS_DATASET:
             base_config = AutoConfig.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision,
                                                      trust_remote_code=False)
             train_rows, eval_rows = load_token_splits(data_args, base_config.vocab_size, tokenizer)
@@ -347,7 +291,8 @@ def train_memory(
             pad_to_max_length = data_args.pad_to_max_length
             if pad_to_max_length is None:
                 pad_to_max_length = training_args.curriculum_chunks is None
-            train_rows, eval_rows = load_babilong_splits(data_args, tokenizer_name, pad_to_max_length)
+            train_rows, eval_rows = task_for_builder(data_args.dataset).training_splits(
+                data_args, tokenizer_name, pad_to_max_length)
 
     set_seed(training_args.seed)  # the memory's initial weights: the same on every run of the same arguments
     dtype = model_args.dtype if model_args.dtype in (None, "auto") else getattr(torch, model_args.dtype)
@@ -367,7 +312,7 @@ def train_memory(
         eval_dataset=eval_rows,
         processing_class=tokenizer,
         callbacks=callbacks,
-        compute_metrics=answer_exact_match if data_args.dataset == "titans_babilong" else None,
+        compute_metrics=None if data_args.dataset == TOKENS_DATASET else answer_exact_match,
     )
     resume = training_args.resume_from_checkpoint
     trainer.train(resume_from_checkpoint=True if resume == "last" else resume)

@@ -51,6 +51,7 @@ from titans_hf.files import file_sha256
 from titans_hf.tasks.babilong import (
     GENERATED_TASKS,
     babilong_path_labels,
+    PROMPT_TEMPLATE,
     build_example,
     iter_babilong_batches,
     length_tokens,
@@ -103,6 +104,8 @@ class TitansBabilongConfig(datasets.BuilderConfig):
             its row; True cuts it instead, and the number of rows cut is logged.
     """
 
+    BUILDER_NAME = "titans_babilong"  # what its messages call it
+
     tokenizer: str | None = None
     max_length: int = 32768
     answer_reserve_tokens: int = 64
@@ -122,18 +125,18 @@ class TitansBabilongConfig(datasets.BuilderConfig):
     def __post_init__(self):
         super().__post_init__()
         if not self.tokenizer or not isinstance(self.tokenizer, (str, os.PathLike)):
-            raise ValueError(f"titans_babilong needs tokenizer= a tokenizer name or path, got {self.tokenizer!r}")
+            raise ValueError(f"{self.BUILDER_NAME} needs tokenizer= a tokenizer name or path, got {self.tokenizer!r}")
         for name in ("max_length", "answer_reserve_tokens", "seed") + (("num_samples",) if self.num_samples is not None
                                                                         else ()):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"titans_babilong: {name}={value!r} must be an integer (got {type(value).__name__})")
+                raise ValueError(f"{self.BUILDER_NAME}: {name}={value!r} must be an integer (got {type(value).__name__})")
         for name in ("pad_to_max_length", "truncate_answers"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"titans_babilong: {name}={getattr(self, name)!r} must be true or false")
+                raise ValueError(f"{self.BUILDER_NAME}: {name}={getattr(self, name)!r} must be true or false")
         if self.train_ratio is not None and (isinstance(self.train_ratio, bool)
                                              or not isinstance(self.train_ratio, (int, float))):
-            raise ValueError(f"titans_babilong: train_ratio={self.train_ratio!r} must be a number or None")
+            raise ValueError(f"{self.BUILDER_NAME}: train_ratio={self.train_ratio!r} must be a number or None")
         if not 1 <= self.answer_reserve_tokens < self.max_length:
             raise ValueError(
                 f"answer_reserve_tokens={self.answer_reserve_tokens} must be >= 1 and below "
@@ -141,10 +144,10 @@ class TitansBabilongConfig(datasets.BuilderConfig):
             )
         if self.train_ratio is not None and not 0 < self.train_ratio < 1:
             raise ValueError(f"train_ratio={self.train_ratio} must lie strictly between 0 and 1, or be None")
-        self.haystack_files = _plain_paths(self.haystack_files, "haystack_files")
-        self.haystack_data_files = _plain_paths(self.haystack_data_files, "haystack_data_files")
+        self.haystack_files = _plain_paths(self.haystack_files, f"{self.BUILDER_NAME}: haystack_files")
+        self.haystack_data_files = _plain_paths(self.haystack_data_files, f"{self.BUILDER_NAME}: haystack_data_files")
         if self.haystack_dataset is not None and not isinstance(self.haystack_dataset, (str, os.PathLike)):
-            raise ValueError(f"titans_babilong: haystack_dataset={self.haystack_dataset!r} must be a load_dataset "
+            raise ValueError(f"{self.BUILDER_NAME}: haystack_dataset={self.haystack_dataset!r} must be a load_dataset "
                              "path (a builder name such as json, a folder or a Hub id); a loaded dataset goes to "
                              "generate_babilong(haystack_dataset=titans_hf.tasks.babilong.generate.HaystackDataset(...))")
         if self.haystack_dataset is None:
@@ -152,7 +155,7 @@ class TitansBabilongConfig(datasets.BuilderConfig):
                                               ("haystack_split", self.haystack_split)) if value is not None]
             given += ["haystack_column"] if self.haystack_column != "text" else []
             if given:
-                raise ValueError(f"titans_babilong: {given} describe a haystack_dataset, and none is given")
+                raise ValueError(f"{self.BUILDER_NAME}: {given} describe a haystack_dataset, and none is given")
         else:
             self.haystack_dataset = str(self.haystack_dataset)
         self.haystack_source()  # refuses both sources at once, and a column or split that is not a name
@@ -176,7 +179,7 @@ class TitansBabilongConfig(datasets.BuilderConfig):
     def create_config_id(self, config_kwargs: dict, custom_features: datasets.Features | None = None) -> str:
         """The cache key: the config, plus the tokenizer's state and the contents of every local input file read
         (data files of other tasks / lengths than asked for are not)."""
-        inputs: dict[str, Any] = {"tokenizer": tokenizer_fingerprint(self.tokenizer)}
+        inputs: dict[str, Any] = {"tokenizer": tokenizer_fingerprint(self.tokenizer, self.BUILDER_NAME)}
         if self.haystack_files or self.haystack_dataset is not None:
             inputs["haystack"] = haystack_digests(self.haystack_files, self.haystack_source())
         if self.data_files is not None:
@@ -192,24 +195,25 @@ class TitansBabilongConfig(datasets.BuilderConfig):
         if self.haystack_dataset is None:
             return None
         if self.haystack_files:
-            raise ValueError(f"titans_babilong: the haystack comes from haystack_files ({list(self.haystack_files)}) "
+            raise ValueError(f"{self.BUILDER_NAME}: the haystack comes from haystack_files ({list(self.haystack_files)}) "
                              f"or from haystack_dataset ({self.haystack_dataset!r}), not both")
         return HaystackDataset(self.haystack_dataset, self.haystack_data_files, self.haystack_split,
                                self.haystack_column)
 
 
 def _plain_paths(value: Any, name: str) -> tuple[str, ...] | None:
-    """A path, or a list of them, as a tuple of strings (one path alone is not split into characters)."""
+    """A path, or a list of them, as a tuple of strings (one path alone is not split into characters); `name` is
+    the setting as messages name it."""
     if value is None:
         return None
     if isinstance(value, (str, os.PathLike)):
         return (os.fspath(value),)
     if not isinstance(value, (list, tuple)) or not all(isinstance(item, (str, os.PathLike)) for item in value):
-        raise ValueError(f"titans_babilong: {name}={value!r} must be a path or a list of paths")
+        raise ValueError(f"{name}={value!r} must be a path or a list of paths")
     return tuple(os.fspath(item) for item in value)
 
 
-def tokenizer_fingerprint(name_or_path: str) -> str:
+def tokenizer_fingerprint(name_or_path: str, builder: str = "titans_babilong") -> str:
     """SHA-256 of what rows depend on in a tokenizer: its serialised Rust tokenizer (vocabulary, merges,
     normaliser, pre-tokeniser, post-processor, added tokens) and its pad id (EOS when it has no pad)."""
     from transformers import AutoTokenizer
@@ -217,9 +221,9 @@ def tokenizer_fingerprint(name_or_path: str) -> str:
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=False)
     except (OSError, ValueError) as error:
-        raise ValueError(f"titans_babilong: cannot load tokenizer {name_or_path!r}: {error}") from error
+        raise ValueError(f"{builder}: cannot load tokenizer {name_or_path!r}: {error}") from error
     if not tokenizer.is_fast:
-        raise ValueError(f"titans_babilong needs a fast tokenizer; {name_or_path!r} loads as {type(tokenizer).__name__}")
+        raise ValueError(f"{builder} needs a fast tokenizer; {name_or_path!r} loads as {type(tokenizer).__name__}")
     try:
         pad_id: int | None = resolve_pad_token_id(tokenizer)
     except ValueError:  # only an error once a row is padded
@@ -237,21 +241,26 @@ def file_digest(path: str | os.PathLike, what: str) -> str:
 
 
 class TitansBabilong(datasets.ArrowBasedBuilder):
+    """The builder of BABILong rows; a task of the same kind (rows of ``input``, ``question``, ``target``, its own
+    generator and prompt template) subclasses it, as ``titans_needle`` does."""
+
     BUILDER_CONFIG_CLASS = TitansBabilongConfig
     config: TitansBabilongConfig
+    FEATURES = FEATURES
+    GENERATED_TASKS: tuple[str, ...] = GENERATED_TASKS
+    PROMPT_TEMPLATE = PROMPT_TEMPLATE
+    DESCRIPTION = "BABILong question answering in a long haystack, tokenised for titans_hf"
 
     def _info(self) -> datasets.DatasetInfo:
-        return datasets.DatasetInfo(
-            description="BABILong question answering in a long haystack, tokenised for titans_hf",
-            features=FEATURES,
-        )
+        return datasets.DatasetInfo(description=self.DESCRIPTION, features=self.FEATURES)
 
     def _split_generators(self, dl_manager) -> list[datasets.SplitGenerator]:
         if self.config.data_files and self.config.num_samples is not None:
             raise ValueError(
-                f"titans_babilong got data files ({dict(self.config.data_files)}) and num_samples="
+                f"{self.name} got data files ({dict(self.config.data_files)}) and num_samples="
                 f"{self.config.num_samples}: pass data_files to read BABILong files, or generate with "
-                "titans_hf.tasks.babilong.builder.build_babilong(task=..., length=..., num_samples=...) "
+                f"{type(self).__module__}.build_{self.name.removeprefix('titans_')}(task=..., length=..., "
+                "num_samples=...) "
                 "(load_dataset infers data files from the working directory when none are given)"
             )
         if self.config.data_files:
@@ -262,9 +271,9 @@ class TitansBabilong(datasets.ArrowBasedBuilder):
         else:
             missing = [name for name in ("task", "length", "num_samples") if getattr(self.config, name) is None]
             if missing:
-                raise ValueError(f"titans_babilong without data_files generates rows and needs {missing}")
-            if self.config.task not in GENERATED_TASKS:
-                raise ValueError(f"titans_babilong generates {list(GENERATED_TASKS)}, not task={self.config.task!r}")
+                raise ValueError(f"{self.name} without data_files generates rows and needs {missing}")
+            if self.config.task not in self.GENERATED_TASKS:
+                raise ValueError(f"{self.name} generates {list(self.GENERATED_TASKS)}, not task={self.config.task!r}")
             if self.config.haystack_files or self.config.haystack_dataset is not None:
                 # unreadable text fails now, not in every worker
                 read_haystack_sentences(self.config.haystack_files, self.config.haystack_source())
@@ -298,10 +307,10 @@ class TitansBabilong(datasets.ArrowBasedBuilder):
                 for index, row in enumerate(read_babilong_file(local))
             ]
         if not rows:
-            raise ValueError(f"titans_babilong: no file of split {split!r} is task={config.task!r} length="
+            raise ValueError(f"{self.name}: no file of split {split!r} is task={config.task!r} length="
                              f"{config.length!r}: {[name for name, _ in files]}")
         if skipped:
-            logger.info("titans_babilong: split %s keeps %d file(s), skips %d of other tasks / lengths",
+            logger.info("%s: split %s keeps %d file(s), skips %d of other tasks / lengths", self.name,
                         split, len(files) - skipped, skipped)
         return rows
 
@@ -316,34 +325,39 @@ class TitansBabilong(datasets.ArrowBasedBuilder):
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, trust_remote_code=False)
         if chunks and isinstance(chunks[0][0], int):  # generation: chunks list row indices
             indices = [i for chunk in chunks for i in chunk]
-            batches = iter_babilong_batches(
-                config.task, config.num_samples, config.length, tokenizer, config.seed,
-                haystack_files=config.haystack_files, row_indices=indices, batch_size=ROWS_PER_CHUNK,
-                haystack_dataset=config.haystack_source(),
-            )
             where = f"generated {config.task} (length {config.length}, seed {config.seed})"
             remaining = iter(indices)  # batches come in order: each takes the next len(batch) indices
             chunks = (
                 [{**row, "task": config.task, "length": config.length, "source": f"{where} row {index}"}
                  for row, index in zip(batch, remaining)]
-                for batch in batches
+                for batch in self._generated_batches(tokenizer, indices)
             )
         for chunk_index, rows in enumerate(chunks):
             examples = [self._example(row, tokenizer) for row in rows]
             cut = sum(example["answer_tokens_cut"] > 0 for example in examples)
             if cut:
-                logger.warning("titans_babilong: cut the answers of %d of %d rows (from %s) to fit max_length=%d "
-                               "(truncate_answers=True)", cut, len(rows), rows[0]["source"], config.max_length)
-            columns = {name: [example[name] for example in examples] for name in FEATURES if name in examples[0]}
+                logger.warning("%s: cut the answers of %d of %d rows (from %s) to fit max_length=%d "
+                               "(truncate_answers=True)", self.name, cut, len(rows), rows[0]["source"], config.max_length)
+            columns = {name: [example[name] for example in examples] for name in self.FEATURES if name in examples[0]}
             columns.update({name: [row[name] for row in rows] for name in ("question", "task", "length")})
-            yield Key(chunk_index, 0), pa.Table.from_pydict(columns, schema=FEATURES.arrow_schema)
+            yield Key(chunk_index, 0), pa.Table.from_pydict(columns, schema=self.FEATURES.arrow_schema)
+
+    def _generated_batches(self, tokenizer, indices: list[int]) -> Iterator[list[dict]]:
+        """The generated rows of ``indices``, in batches of up to ``ROWS_PER_CHUNK``, in order."""
+        config = self.config
+        return iter_babilong_batches(
+            config.task, config.num_samples, config.length, tokenizer, config.seed,
+            haystack_files=config.haystack_files, row_indices=indices, batch_size=ROWS_PER_CHUNK,
+            haystack_dataset=config.haystack_source(),
+        )
 
     def _example(self, row: dict, tokenizer) -> dict[str, Any]:
         """``build_example`` of one row; its errors name the row's file and index (or generated row)."""
         config = self.config
         try:
             return build_example(row, tokenizer, config.max_length, config.answer_reserve_tokens,
-                                 config.pad_to_max_length, truncate_answers=config.truncate_answers)
+                                 config.pad_to_max_length, truncate_answers=config.truncate_answers,
+                                 prompt_template=self.PROMPT_TEMPLATE)
         except ValueError as error:
             raise ValueError(f"{row['source']}: {error}") from error
 

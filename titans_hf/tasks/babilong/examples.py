@@ -18,8 +18,12 @@ def build_example(
     answer_reserve_tokens: int,
     pad_to_max_length: bool = True,
     truncate_answers: bool = False,
+    prompt_template: str = PROMPT_TEMPLATE,
 ) -> dict[str, Any]:
     """Tokenise one row for training: prompt, then the answer as the only labelled tokens.
+
+    The prompt is ``prompt_template`` filled with the row's ``input`` and ``question`` (BABILong's by default; a
+    task of its own words, as the needle's passkey prompt, passes its own, with ``{input}`` first).
 
     The prompt is cut to ``max_length - answer_reserve_tokens`` by dropping the *start* of the
     haystack: the question and "Answer:" always survive, and the latest facts (those that decide
@@ -37,7 +41,7 @@ def build_example(
         raise ValueError(
             f"answer_reserve_tokens={answer_reserve_tokens} must be >= 1 and below max_length={max_length}"
         )
-    prompt = PROMPT_TEMPLATE.format(input=row["input"], question=row["question"])
+    prompt = prompt_template.format(input=row["input"], question=row["question"])
     backend = plain_backend_tokenizer(tokenizer)  # whatever truncation earlier calls left set
     encoding = backend.encode(prompt, add_special_tokens=True)
     ids, special = encoding.ids, encoding.special_tokens_mask

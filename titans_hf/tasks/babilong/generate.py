@@ -427,7 +427,7 @@ def haystack_digests(
     return [[str(file), file_sha256(file)] for file in haystack_text_files(haystack_files)]
 
 
-def _token_counts(tokenizer, texts: list[str], leading_space: bool = True) -> list[int]:
+def token_counts(tokenizer, texts: list[str], leading_space: bool = True) -> list[int]:
     """Token counts without special tokens; sentences are counted as they appear after another one.
 
     The Rust backend is called directly: the Python wrapper's per-encoding conversion costs more
@@ -519,9 +519,9 @@ def iter_babilong_batches(
         pool_random = random.Random(f"titans_babilong:pool:{seed}")
         sentences = [distractor_sentence(pool_random) for _ in range(pool_size)]
         contiguous = False
-    counts = _token_counts(tokenizer, sentences) if length > 0 else []
+    counts = token_counts(tokenizer, sentences) if length > 0 else []
     all_facts = _all_facts(task)
-    fact_counts = dict(zip(all_facts, _token_counts(tokenizer, all_facts)))
+    fact_counts = dict(zip(all_facts, token_counts(tokenizer, all_facts)))
     longest_story = STORY_FACTS[task][1] * max(fact_counts.values())
     if 0 < length < longest_story:
         raise ValueError(
@@ -536,7 +536,7 @@ def iter_babilong_batches(
             rng = _row_random(task, length, seed, index)
             facts, question, answer = _story(task, rng)
             budget = length - sum(fact_counts[f] for f in facts)
-            haystack = _draw_haystack(sentences, counts, budget, contiguous, rng) if length > 0 else []
+            haystack = draw_haystack(sentences, counts, budget, contiguous, rng) if length > 0 else []
             gaps = sorted(rng.choices(range(len(haystack) + 1), k=len(facts)))
             pieces = _interleave(haystack, facts, gaps)
             pieces_per_row.append(pieces)
@@ -548,7 +548,7 @@ def iter_babilong_batches(
     progress.close()
 
 
-def _draw_haystack(
+def draw_haystack(
     sentences: list[str], counts: list[int], budget: int, contiguous: bool, rng: random.Random
 ) -> list[str]:
     """Haystack sentences until the next one would pass ``budget`` tokens.
@@ -592,7 +592,7 @@ def _trim_to_length(rows: list[dict], pieces_per_row: list[list], tokenizer, len
     """
     pending = list(range(len(rows)))
     while pending:
-        lengths = _token_counts(tokenizer, [rows[i]["input"] for i in pending], leading_space=False)
+        lengths = token_counts(tokenizer, [rows[i]["input"] for i in pending], leading_space=False)
         too_long = []
         for i, measured in zip(pending, lengths):
             if measured <= length:
