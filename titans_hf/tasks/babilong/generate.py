@@ -44,8 +44,7 @@ _TASK_WORDS = re.compile(r"\b(" + "|".join(ACTORS + LOCATIONS + OBJECTS) + r")\b
 # A sentence ends at . ! ? followed by whitespace (a closing quote may come between), or at the full-width 。！？
 # that Chinese and Japanese prose ends sentences with, whitespace or not (a closing bracket or quote may follow).
 _SENTENCE_END = re.compile(
-    r"(?<=[.!?])\s+|(?<=[.!?][\"'\u2019\u201d])\s+"
-    r"|(?<=[。！？])(?![。！？」』\u201d）])\s*|(?<=[。！？][」』\u201d）])(?![。！？」』\u201d）])\s*"
+    r"[.!?。！？](?:(?<=[.!?])[\"'\u2019\u201d]?\s+|(?<=[。！？])[」』\u201d）]?(?![。！？」』\u201d）])\s*)"
 )
 SENTENCE_END_MARKS = ". ! ? 。 ！ ？"
 # A haystack of fewer distinct sentences would repeat each many times in one row.
@@ -234,7 +233,12 @@ def distractor_sentence(rng: random.Random) -> str:
 
 def split_sentences(text: str) -> list[str]:
     """Sentences of free text (books wrap lines, so whitespace is normalised first), cut at ``_SENTENCE_END``."""
-    return [s for s in _SENTENCE_END.split(" ".join(text.split())) if s]
+    text = " ".join(text.split())
+    sentences, start = [], 0
+    for end in _SENTENCE_END.finditer(text):
+        sentences.append(text[start : end.start() + len(end.group().rstrip())])
+        start = end.end()
+    return [sentence for sentence in [*sentences, text[start:]] if sentence]
 
 
 def names_a_task_word(sentence: str) -> bool:
