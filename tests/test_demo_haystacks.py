@@ -7,8 +7,10 @@ from transformers import AutoTokenizer
 from titans_hf.commands.demo_job import mixed_haystack_rows
 from titans_hf.tasks.babilong import generate_babilong
 
-RIVER = "The river ran fast under the stone bridge. A heron stood in the reeds by the bank. " * 40
-LEDGER = "The clerk added the columns twice before noon. Every receipt was filed under its month. " * 40
+RIVER = "".join(f"The river ran fast under stone bridge {i}. A heron stood in the reeds by bank {i}. "
+                for i in range(40))
+LEDGER = "".join(f"The clerk added column {i} twice before noon. Every receipt was filed under month {i}. "
+                 for i in range(40))
 
 
 def sources(tmp_path) -> tuple[str, str]:

@@ -25,6 +25,7 @@ import titans_hf  # noqa: F401  (registers titans_babilong)
 from titans_hf.commands import main as cli_main
 from titans_hf.data import source_hash
 from titans_hf.tasks.babilong import build_example, generate_babilong
+from titans_hf.tasks.babilong import generate as generate_module
 from titans_hf.tasks.babilong.builder import TitansBabilong, build_babilong
 from titans_hf.tasks.babilong.generate import (
     HaystackDataset,
@@ -45,6 +46,18 @@ FOLDER_SENTENCES = ["Alpha begins the tale.", "It was a cold night.", "Beta sing
                     "Zeta speaks of the long road.", "The road ran north."]
 GENERATION = dict(task="qa1", length=150, num_samples=4, seed=0, max_length=224, answer_reserve_tokens=8,
                   train_ratio=None)
+
+
+def sentences_of_haystack(*args, **kwargs) -> list[str]:
+    """The sentences of ``read_haystack_sentences`` (without the digests)."""
+    return read_haystack_sentences(*args, **kwargs)[0]
+
+
+@pytest.fixture(autouse=True)
+def few_sentence_haystacks(monkeypatch):
+    """This file's haystacks are a few sentences each, to follow their order by eye; the minimum a real haystack
+    needs is pinned in test_hostile_round5_haystacks.py."""
+    monkeypatch.setattr(generate_module, "MIN_HAYSTACK_SENTENCES", 1)
 
 
 def digest(path: Path) -> str:
@@ -107,8 +120,8 @@ def rewrite_keeping_size_and_mtime(path: Path, old: str, new: str) -> None:
 def test_a_folder_is_every_txt_file_under_it_in_sorted_order(folder, tokenizer):
     assert haystack_text_files([folder]) == [folder / "a.txt", folder / "b.txt", folder / "sub" / "c.txt",
                                              folder / "z.txt"]
-    assert read_haystack_sentences(folder) == FOLDER_SENTENCES
-    assert read_haystack_sentences([folder / "z.txt", folder]) == FOLDER_SENTENCES[6:] + FOLDER_SENTENCES
+    assert sentences_of_haystack(folder) == FOLDER_SENTENCES
+    assert sentences_of_haystack([folder / "z.txt", folder]) == FOLDER_SENTENCES[6:] + FOLDER_SENTENCES
     rows = generate_babilong("qa1", 6, 150, tokenizer, seed=3, haystack_files=[folder])
     assert rows == generate_babilong("qa1", 6, 150, tokenizer, seed=3, haystack_files=str(folder))
     for row in rows:
@@ -116,7 +129,7 @@ def test_a_folder_is_every_txt_file_under_it_in_sorted_order(folder, tokenizer):
     # a link inside the folder to a file inside it is read under its own name
     (folder / "sub" / "d.txt").symlink_to(folder / "a.txt")
     assert haystack_text_files(folder)[3] == folder / "sub" / "d.txt"
-    assert read_haystack_sentences(folder)[6:8] == FOLDER_SENTENCES[:2]
+    assert sentences_of_haystack(folder)[6:8] == FOLDER_SENTENCES[:2]
 
 
 def test_the_cache_key_follows_the_bytes_of_every_file_read_never_their_mtime(folder, tmp_path, tiny_tokenizer_dir,
@@ -165,9 +178,9 @@ def test_a_datasets_split_is_a_haystack(tmp_path, tiny_tokenizer_dir, tokenizer)
     sentences = ["Row one opens the essay.", "Row two follows it closely.", "Row three ends the essay.",
                  "Nothing more is said."]
     spec = HaystackDataset("json", data_files=[str(essays)], column="body")
-    assert read_haystack_sentences(haystack_dataset=spec) == sentences
+    assert sentences_of_haystack(haystack_dataset=spec) == sentences
     loaded = datasets.load_dataset("json", data_files=str(essays), split="train")
-    assert read_haystack_sentences(haystack_dataset=HaystackDataset(loaded, column="body")) == sentences
+    assert sentences_of_haystack(haystack_dataset=HaystackDataset(loaded, column="body")) == sentences
     rows = generate_babilong("qa1", 4, 150, tokenizer, haystack_dataset=spec)
     assert rows == generate_babilong("qa1", 4, 150, tokenizer, haystack_dataset=HaystackDataset(loaded, column="body"))
     for row in rows:
@@ -182,7 +195,7 @@ def test_a_datasets_split_is_a_haystack(tmp_path, tiny_tokenizer_dir, tokenizer)
     rebuilt = datasets.load_dataset("titans_babilong", **config)["train"]["input_ids"]
     assert list(rebuilt) != list(built)
     assert list(rebuilt) == expected_input_ids(tokenizer, haystack_dataset=spec)
-    assert "Row 2 follows it!!" in read_haystack_sentences(haystack_dataset=spec)
+    assert "Row 2 follows it!!" in sentences_of_haystack(haystack_dataset=spec)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -472,7 +485,7 @@ def test_the_fetch_script_writes_prose_without_task_words_and_records_each_sourc
         path.name for path in fixture_archives.values())
     assert not [path for path in cache.rglob(".*")]  # no temporary left behind
     # the fetched folder is a haystack as it stands
-    assert read_haystack_sentences(cache / "markov") == [
+    assert sentences_of_haystack(cache / "markov") == [
         "He dreamed of putting himself on every one and orthodox.", "\u201cPerhaps it is,\u201d said the short man."]
     table = fetch_haystacks.format_table(records)
     assert "markov-draftjs==2.0.0" in table and f"{len(EXPECTED_TEXTS['markov'])} (< 300k)" in table

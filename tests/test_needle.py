@@ -13,6 +13,7 @@ from titans_hf.commands import main as cli_main
 from titans_hf.data import task_builders
 from titans_hf.modeling.modeling_titans_qwen import TitansQwenForCausalLM
 from titans_hf.tasks import TASKS, task, task_builder_names, task_for_builder, task_for_eval
+from titans_hf.tasks.babilong import generate as babilong_generate
 from titans_hf.tasks.babilong.evaluation import prompt_ids
 from titans_hf.tasks.evaluation import answer_batches, generate_answers, greedy_generation_config
 from titans_hf.tasks.needle import PROMPT_TEMPLATE, generate_needle, needle_token, score_key
@@ -25,7 +26,10 @@ BOATS = " ".join(f"The {word} boats sailed home." for word in
 
 
 @pytest.fixture
-def haystack(tmp_path):
+def haystack(tmp_path, monkeypatch):
+    """Ten sentences, to follow the rows by eye; the minimum a real haystack needs is pinned in
+    test_hostile_round5_haystacks.py."""
+    monkeypatch.setattr(babilong_generate, "MIN_HAYSTACK_SENTENCES", 1)
     folder = tmp_path / "haystack"
     folder.mkdir()
     (folder / "story.txt").write_text(BOATS)

@@ -12,9 +12,10 @@ RMSNorm, same rotary embedding, same SwiGLU MLP. `llama_gguf_to_qwen2` therefore
    dequantizes the weights to float32, and checks that every parameter of that Llama equals the tensor of the file
    it came from, dequantized by the `gguf` package itself (`check_weights_are_the_files`): the logits of step 4 are
    then compared with a model known to hold the file's weights, not with whatever the loader filled in. A chat
-   template the file carries must render a one-message chat within `CHAT_TEMPLATE_SECONDS` (in a child process,
-   killed when it does not: transformers' template sandbox bounds what a template may touch, not its time), so that
-   a template that never ends is refused here rather than hanging every later command that renders it;
+   template the file carries must render a one-message chat within `data.tokenizers.CHAT_TEMPLATE_SECONDS` (in a
+   child process, killed when it does not: transformers' template sandbox bounds what a template may touch, not
+   its time), so that a template that never ends is refused here rather than hanging every later command that
+   renders it;
 3. builds the `Qwen2Config` of the same shape (`use_sliding_window=False`), copies every weight and sets the q/k/v
    biases to zero;
 4. saves model and tokenizer with `save_pretrained` into a temporary folder beside `out_dir`, loads that folder back
@@ -36,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import sys
 from pathlib import Path
@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
+from titans_hf.data.tokenizers import chat_template_problem
 from titans_hf.files import atomic_write_json, file_sha256, hidden_sibling, remove_path
 from titans_hf.outputs import check_folder_output, record_folder, replace_outputs
 
@@ -55,9 +56,6 @@ CHECK_TOKENS = 32
 PROBE_TEXT = "Mary went back to the kitchen. Question: Where is Mary? Answer: kitchen"
 # float32 rounding, relative to the largest logit: two kernels summing the same products in another order
 LOGITS_RTOL = 1e-5
-# The most seconds a chat template may take to render a one-message chat (a real one takes milliseconds).
-CHAT_TEMPLATE_SECONDS = 1.0
-CHAT_TEMPLATE_PROBE = [{"role": "user", "content": "Where is Mary?"}]
 # llama.cpp's tensor names: the model's own, and each block's, with the transformers parameter each one becomes
 LLAMA_MODEL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                        "output.weight": "lm_head.weight"}
@@ -171,35 +169,6 @@ def check_weights_are_the_files(path: Path, llama: Any) -> None:
     ungiven = sorted(set(parameters) - given)
     if ungiven:
         raise ValueError(f"GGUF file {path}: no tensor of the file gives {ungiven[:8]}; transformers filled them in")
-
-
-def _render_probe(tokenizer: Any, connection: Any) -> None:
-    """Render the probe chat with `tokenizer`'s template and send None, or why it failed, through `connection`."""
-    try:
-        tokenizer.apply_chat_template(CHAT_TEMPLATE_PROBE, tokenize=False, add_generation_prompt=True)
-        connection.send(None)
-    except Exception as error:  # noqa: BLE001 (any failure of a template is reported, as a message)
-        connection.send(f"{type(error).__name__}: {error}")
-
-
-def chat_template_problem(tokenizer: Any, seconds: float = CHAT_TEMPLATE_SECONDS) -> str | None:
-    """None when `tokenizer` has no chat template or renders a one-message chat within `seconds`, else why not.
-    Rendered in a child process (forked where the platform can), killed when it runs past `seconds`."""
-    if not tokenizer.chat_template:
-        return None
-    methods = multiprocessing.get_all_start_methods()
-    context = multiprocessing.get_context("fork" if "fork" in methods else methods[0])
-    receiver, sender = context.Pipe(duplex=False)
-    process = context.Process(target=_render_probe, args=(tokenizer, sender), daemon=True)
-    process.start()
-    finished = receiver.poll(seconds)
-    if not finished:
-        process.kill()
-    process.join()
-    if not finished:
-        return f"it does not render a one-message chat within {seconds:g} s"
-    failure = receiver.recv()
-    return None if failure is None else f"it does not render a one-message chat ({failure})"
 
 
 def qwen2_config_of(llama_config: Any) -> Qwen2Config:

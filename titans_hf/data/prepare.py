@@ -51,7 +51,7 @@ from titans_hf.data.stores import (
     token_dtype,
     tokenizer_fingerprint,
 )
-from titans_hf.data.tokenizers import check_tokenizer_argument
+from titans_hf.data.tokenizers import chat_template_problem, check_tokenizer_argument
 from titans_hf.data.windows import TRAIN_TYPE_KEYS
 from titans_hf.files import MAX_TEXT_CHARACTERS_VARIABLE, disk_full_message, max_text_characters
 from titans_hf.outputs import check_can_create, replace_outputs
@@ -624,6 +624,9 @@ def prepare(
     output.parent.mkdir(parents=True, exist_ok=True)
 
     tok = _load_tokenizer(tokenizer)
+    template_problem = chat_template_problem(tok) if train_type == "sft" else None  # a template can loop for hours
+    if template_problem is not None:
+        raise ValueError(f"tokenizer {str(tokenizer)!r}: its chat template (tokenizer.chat_template): {template_problem}")
     dtypes, metadata = _store_layout(tok, str(tokenizer), train_type)
     new_writer = functools.partial(STORE_WRITERS[output_format(output)], output, dtypes, metadata)
     # File sizes in bytes bound the characters from above: the bar may stop a little short of 100%.

@@ -4,6 +4,7 @@ and a fast tokenizer's backend without the truncation or padding earlier calls l
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import weakref
 from pathlib import Path
@@ -66,3 +67,37 @@ def plain_backend_tokenizer(tokenizer: Any):
 
 
 _PLAIN_BACKENDS: "weakref.WeakKeyDictionary[Any, tuple[tuple[int, str], Any]]" = weakref.WeakKeyDictionary()
+
+
+# The most seconds a chat template may take to render a one-message chat (a real one takes milliseconds).
+CHAT_TEMPLATE_SECONDS = 1.0
+CHAT_TEMPLATE_PROBE = [{"role": "user", "content": "Where is Mary?"}]
+
+
+def _render_probe(tokenizer: Any, connection: Any) -> None:
+    """Render the probe chat with `tokenizer`'s template and send None, or why it failed, through `connection`."""
+    try:
+        tokenizer.apply_chat_template(CHAT_TEMPLATE_PROBE, tokenize=False, add_generation_prompt=True)
+        connection.send(None)
+    except Exception as error:  # noqa: BLE001 (any failure of a template is reported, as a message)
+        connection.send(f"{type(error).__name__}: {error}")
+
+
+def chat_template_problem(tokenizer: Any, seconds: float = CHAT_TEMPLATE_SECONDS) -> str | None:
+    """None when `tokenizer` has no chat template or renders a one-message chat within `seconds`, else why not.
+    Rendered in a child process (forked where the platform can), killed when it runs past `seconds`."""
+    if not tokenizer.chat_template:
+        return None
+    methods = multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("fork" if "fork" in methods else methods[0])
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(target=_render_probe, args=(tokenizer, sender), daemon=True)
+    process.start()
+    finished = receiver.poll(seconds)
+    if not finished:
+        process.kill()
+    process.join()
+    if not finished:
+        return f"it does not render a one-message chat within {seconds:g} s"
+    failure = receiver.recv()
+    return None if failure is None else f"it does not render a one-message chat ({failure})"

@@ -37,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -58,7 +58,7 @@ from titans_hf.tasks.babilong import (
     read_babilong_file,
     train_eval_split,
 )
-from titans_hf.tasks.babilong.generate import HaystackDataset, haystack_digests, read_haystack_sentences
+from titans_hf.tasks.babilong.generate import HaystackDataset, read_haystack_sentences
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +121,8 @@ class TitansBabilongConfig(datasets.BuilderConfig):
     haystack_column: str = "text"
     train_ratio: float | None = 0.9
     truncate_answers: bool = False
+    # the haystack's digests as create_config_id read them for the cache key; generation reads the same text
+    haystack_key: list[list[str]] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         super().__post_init__()
@@ -181,7 +183,9 @@ class TitansBabilongConfig(datasets.BuilderConfig):
         (data files of other tasks / lengths than asked for are not)."""
         inputs: dict[str, Any] = {"tokenizer": tokenizer_fingerprint(self.tokenizer, self.BUILDER_NAME)}
         if self.haystack_files or self.haystack_dataset is not None:
-            inputs["haystack"] = haystack_digests(self.haystack_files, self.haystack_source())
+            # rows are generated only from text of these digests (checked as it is read), never from a later edit
+            self.haystack_key = read_haystack_sentences(self.haystack_files, self.haystack_source())[1]
+            inputs["haystack"] = self.haystack_key
         if self.data_files is not None:
             inputs["data_files"] = {
                 str(split): [file_digest(file, "BABILong file") for file in files
@@ -275,8 +279,9 @@ class TitansBabilong(datasets.ArrowBasedBuilder):
             if self.config.task not in self.GENERATED_TASKS:
                 raise ValueError(f"{self.name} generates {list(self.GENERATED_TASKS)}, not task={self.config.task!r}")
             if self.config.haystack_files or self.config.haystack_dataset is not None:
-                # unreadable text fails now, not in every worker
-                read_haystack_sentences(self.config.haystack_files, self.config.haystack_source())
+                # unreadable or changed text fails now, not in every worker
+                read_haystack_sentences(self.config.haystack_files, self.config.haystack_source(),
+                                        self.config.haystack_key)
             sources = {"train": list(range(self.config.num_samples))}
 
         if self.config.train_ratio is not None and list(sources) == ["train"]:
@@ -348,7 +353,7 @@ class TitansBabilong(datasets.ArrowBasedBuilder):
         return iter_babilong_batches(
             config.task, config.num_samples, config.length, tokenizer, config.seed,
             haystack_files=config.haystack_files, row_indices=indices, batch_size=ROWS_PER_CHUNK,
-            haystack_dataset=config.haystack_source(),
+            haystack_dataset=config.haystack_source(), expected_haystack_digests=config.haystack_key,
         )
 
     def _example(self, row: dict, tokenizer) -> dict[str, Any]:

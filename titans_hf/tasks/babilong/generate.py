@@ -9,7 +9,9 @@ reader and the same example assembly.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
+import logging
 import os
 import random
 import re
@@ -21,12 +23,11 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 from tqdm.auto import tqdm
 
 from titans_hf.data.tokenizers import plain_backend_tokenizer
-from titans_hf.files import file_sha256
-
-from .files import read_utf8_text
 
 if TYPE_CHECKING:
     import datasets
+
+logger = logging.getLogger(__name__)
 
 ACTORS = ["John", "Mary", "Sandra", "Daniel"]
 LOCATIONS = ["bathroom", "bedroom", "garden", "hallway", "kitchen", "office"]
@@ -40,7 +41,17 @@ STORY_FACTS: dict[str, tuple[int, int]] = {"qa1": (2, 10), "qa2": (2, 10), "qa3"
 GENERATED_TASKS = tuple(STORY_FACTS)
 
 _TASK_WORDS = re.compile(r"\b(" + "|".join(ACTORS + LOCATIONS + OBJECTS) + r")\b", re.IGNORECASE)
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|(?<=[.!?][\"'\u2019\u201d])\s+")
+# A sentence ends at . ! ? followed by whitespace (a closing quote may come between), or at the full-width 。！？
+# that Chinese and Japanese prose ends sentences with, whitespace or not (a closing bracket or quote may follow).
+_SENTENCE_END = re.compile(
+    r"[.!?。！？](?:(?<=[.!?])[\"'\u2019\u201d]?\s+|(?<=[。！？])[」』\u201d）]?(?![。！？」』\u201d）])\s*)"
+)
+SENTENCE_END_MARKS = ". ! ? 。 ！ ？"
+# A haystack of fewer distinct sentences would repeat each many times in one row.
+MIN_HAYSTACK_SENTENCES = 32
+# What one haystack source (a file, or a datasets split) gives at most; the rest of it is not read.
+HAYSTACK_SOURCE_BYTES = 64 * 2**20
+_READ_PIECE_BYTES = 2**20
 
 
 # ----------------------------------------------------------------------------------------------
@@ -221,8 +232,13 @@ def distractor_sentence(rng: random.Random) -> str:
 
 
 def split_sentences(text: str) -> list[str]:
-    """Sentences of free text (books wrap lines, so whitespace is normalised first)."""
-    return [s for s in _SENTENCE_END.split(" ".join(text.split())) if s]
+    """Sentences of free text (books wrap lines, so whitespace is normalised first), cut at ``_SENTENCE_END``."""
+    text = " ".join(text.split())
+    sentences, start = [], 0
+    for end in _SENTENCE_END.finditer(text):
+        sentences.append(text[start : end.start() + len(end.group().rstrip())])
+        start = end.end()
+    return [sentence for sentence in [*sentences, text[start:]] if sentence]
 
 
 def names_a_task_word(sentence: str) -> bool:
@@ -340,10 +356,13 @@ def haystack_text_files(haystack_files: str | Path | Sequence[str | Path] | None
 
 
 def _paths(haystack_files: str | Path | Sequence[str | Path] | None) -> list[Path]:
-    """The haystack files and folders given: one path alone, or a list of them."""
-    if isinstance(haystack_files, (str, os.PathLike)):
-        return [Path(haystack_files)]
-    return [Path(entry) for entry in haystack_files or []]
+    """The haystack files and folders given: one path alone, or a list of them. An empty path (an unset shell
+    variable) is a ValueError: read as a path it would be the working folder, every text file under it."""
+    entries = [haystack_files] if isinstance(haystack_files, (str, os.PathLike)) else list(haystack_files or [])
+    if any(os.fspath(entry) == "" for entry in entries):
+        raise ValueError(f"haystack_files={haystack_files!r}: an empty path names no file or folder (an unset "
+                         "variable?)")
+    return [Path(entry) for entry in entries]
 
 
 def _regular_file(path: Path, what: str) -> Path:
@@ -391,40 +410,134 @@ def _check_one_source(
 
 
 def read_haystack_sentences(
-    haystack_files: str | Path | Sequence[str | Path] | None = None, haystack_dataset: HaystackDataset | None = None
-) -> list[str]:
-    """Sentences of a haystack, in order, without any that names a task word (``names_a_task_word``).
+    haystack_files: str | Path | Sequence[str | Path] | None = None,
+    haystack_dataset: HaystackDataset | None = None,
+    expected_digests: list[list[str]] | None = None,
+) -> tuple[list[str], list[list[str]]]:
+    """Sentences of a haystack, in order, without any that names a task word (``names_a_task_word``), and the
+    digests of the very bytes they were cut from, for cache keys.
 
     The haystack is text files and folders (``haystack_text_files``), or a ``datasets`` split
     (``HaystackDataset``). Dropping sentences that mention e.g. "kitchen" or "Mary" keeps a book from
     contradicting the story; everything else keeps its original order, as BABILong takes contiguous book text.
+    Each source gives at most its first ``HAYSTACK_SOURCE_BYTES`` (the rest is not read): a file is read in
+    pieces and decoded as it comes, so a huge file starts at once in bounded memory. The digests are [path,
+    SHA-256 of the bytes read] of every file, in order, or ["texts", SHA-256 of the texts read, each framed by
+    its length]: contents only, never mtimes. With ``expected_digests`` (a cache key taken earlier), a haystack
+    whose digests differ is a ValueError naming what changed.
+
+    A file with text but no sentence end (``SENTENCE_END_MARKS``) is a ValueError naming it, and so is a haystack
+    of fewer than ``MIN_HAYSTACK_SENTENCES`` distinct sentences free of the task words.
     """
     _check_one_source(haystack_files, haystack_dataset)
     if haystack_dataset is not None:
-        where, texts = f"{haystack_dataset.describe()} holds", haystack_dataset.texts()
+        where = haystack_dataset.describe()
+        sentences, digests = _dataset_sentences(haystack_dataset)
     else:
-        files = haystack_text_files(haystack_files)
-        named = [str(path) for path in _paths(haystack_files)]
-        where, texts = f"haystack files {named} hold", (read_utf8_text(file, "haystack file") for file in files)
-    sentences = [s for text in texts for s in split_sentences(text) if not names_a_task_word(s)]
-    if not sentences:
-        raise ValueError(f"{where} no sentence free of the task words")
-    return sentences
+        where = f"haystack files {[str(path) for path in _paths(haystack_files)]}"
+        sentences, digests = [], []
+        for file in haystack_text_files(haystack_files):
+            file_sentences, digest = _file_sentences(file)
+            sentences += file_sentences
+            digests.append([str(file), digest])
+    if expected_digests is not None and digests != expected_digests:
+        changed = [entry[0] for entry in digests if entry not in expected_digests]
+        raise ValueError(f"{where}: {changed or 'the files read'} changed while the dataset was being built; "
+                         "build it again")
+    kept = [sentence for sentence in sentences if not names_a_task_word(sentence)]
+    if not kept:
+        raise ValueError(f"{where} hold no sentence free of the task words")
+    distinct = len(set(kept))
+    if distinct < MIN_HAYSTACK_SENTENCES:
+        raise ValueError(f"{where} hold {distinct} distinct sentence(s) free of the task words, fewer than "
+                         f"{MIN_HAYSTACK_SENTENCES}: a row would repeat them over and over; give more text")
+    return kept, digests
 
 
-def haystack_digests(
-    haystack_files: str | Path | Sequence[str | Path] | None = None, haystack_dataset: HaystackDataset | None = None
-) -> list[list[str]]:
-    """What a haystack's sentences depend on, for cache keys: [path, SHA-256 of its bytes] of every file read, in
-    order, or ["texts", SHA-256 of the dataset's texts, each framed by its length]. Contents only, never mtimes."""
-    _check_one_source(haystack_files, haystack_dataset)
-    if haystack_dataset is not None:
-        digest = hashlib.sha256()
-        for text in haystack_dataset.texts():
-            data = text.encode("utf-8")
-            digest.update(len(data).to_bytes(8, "little") + data)
-        return [["texts", digest.hexdigest()]]
-    return [[str(file), file_sha256(file)] for file in haystack_text_files(haystack_files)]
+def _file_sentences(path: Path) -> tuple[list[str], str]:
+    """The sentences of one haystack file and the SHA-256 of the bytes read: its first ``HAYSTACK_SOURCE_BYTES``,
+    read in pieces, each decoded as UTF-8 (a sequence split between pieces waits for the next) and cut into
+    sentences as soon as a sentence end is settled (followed by more text). Text that is not UTF-8 is a ValueError
+    naming the file, line and byte offset, as is text with no sentence end at all."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    digest = hashlib.sha256()
+    sentences: list[str] = []
+    tail, ends, offset, lines = "", 0, 0, 1
+    with open(path, "rb") as stream:
+        size = os.fstat(stream.fileno()).st_size
+        while offset < HAYSTACK_SOURCE_BYTES:
+            piece = stream.read(min(_READ_PIECE_BYTES, HAYSTACK_SOURCE_BYTES - offset))
+            if not piece:
+                break
+            digest.update(piece)
+            text = _decode(decoder, piece, path, offset, lines)
+            offset, lines = offset + len(piece), lines + piece.count(b"\n")
+            tail, found = _settled_sentences(tail, text, sentences)
+            ends += found
+    if offset < HAYSTACK_SOURCE_BYTES:
+        tail += _decode(decoder, b"", path, offset, lines, final=True)
+    else:
+        logger.warning("haystack file %s: only its first %d of %d bytes are read", path, offset, max(size, offset))
+    ends += _SENTENCE_END.search(tail + " ") is not None  # the last sentence ends the file
+    if ends == 0 and tail.strip():
+        raise ValueError(f"haystack file {path} holds no sentence end ({SENTENCE_END_MARKS}): its text cannot be "
+                         "cut into sentences")
+    sentences += split_sentences(tail)
+    return sentences, digest.hexdigest()
+
+
+def _decode(decoder: codecs.IncrementalDecoder, piece: bytes, path: Path, offset: int, lines: int,
+            final: bool = False) -> str:
+    """``piece`` (read at byte ``offset`` of ``path``, after ``lines`` - 1 line breaks) decoded; bytes that are not
+    UTF-8 are a ValueError naming the file, line and byte offset."""
+    pending = decoder.getstate()[0]
+    try:
+        return decoder.decode(piece, final)
+    except UnicodeDecodeError as error:
+        data = pending + piece
+        line = lines + data[: error.start].count(b"\n")
+        raise ValueError(f"haystack file {path} is not UTF-8 text: {error.reason} (byte 0x{data[error.start]:02x} "
+                         f"at offset {offset - len(pending) + error.start}, line {line})") from error
+
+
+def _settled_sentences(tail: str, text: str, sentences: list[str]) -> tuple[str, int]:
+    """Append to ``sentences`` those of ``tail`` + ``text`` up to the last settled sentence end (one followed by
+    more text, so the next piece cannot extend it); return the rest and how many sentence ends were settled.
+    ``tail`` holds no settled end, so the search starts where its trailing whitespace does."""
+    start = len(tail)
+    while start and tail[start - 1].isspace():
+        start -= 1
+    buffer = tail + text
+    last_end, found = None, 0
+    for match in _SENTENCE_END.finditer(buffer, start):
+        if match.end() < len(buffer):
+            last_end, found = match.end(), found + 1
+    if last_end is None:
+        return buffer, 0
+    sentences += split_sentences(buffer[:last_end])
+    return buffer[last_end:], found
+
+
+def _dataset_sentences(haystack_dataset: HaystackDataset) -> tuple[list[str], list[list[str]]]:
+    """The sentences of a dataset's texts, each text cut alone, up to the text that reaches
+    ``HAYSTACK_SOURCE_BYTES`` of UTF-8, and ["texts", SHA-256 of those texts, each framed by its length]. Texts
+    with no sentence end at all are a ValueError naming the dataset."""
+    digest = hashlib.sha256()
+    sentences: list[str] = []
+    read, ends = 0, False
+    for text in haystack_dataset.texts():
+        data = text.encode("utf-8")
+        digest.update(len(data).to_bytes(8, "little") + data)
+        sentences += split_sentences(text)
+        ends = ends or _SENTENCE_END.search(text + " ") is not None  # a last sentence ends the text
+        read += len(data)
+        if read >= HAYSTACK_SOURCE_BYTES:
+            logger.warning("%s: only its first %d bytes of text are read", haystack_dataset.describe(), read)
+            break
+    if sentences and not ends:
+        raise ValueError(f"{haystack_dataset.describe()} holds no sentence end ({SENTENCE_END_MARKS}): its text "
+                         "cannot be cut into sentences")
+    return sentences, [["texts", digest.hexdigest()]]
 
 
 def token_counts(tokenizer, texts: list[str], leading_space: bool = True) -> list[int]:
@@ -491,11 +604,12 @@ def iter_babilong_batches(
     batch_size: int = 256,
     show_progress: bool = False,
     haystack_dataset: HaystackDataset | None = None,
+    expected_haystack_digests: list[list[str]] | None = None,
 ) -> Iterator[list[dict[str, str]]]:
     """``generate_babilong`` in batches of rows, so a large set never sits in memory at once.
 
     The haystack (read and token-counted once) is shared by all batches: it costs more than
-    hundreds of short rows.
+    hundreds of short rows. ``expected_haystack_digests`` is a cache key's (``read_haystack_sentences``).
     """
     if task not in STORY_FACTS:
         raise ValueError(f"task={task!r}: the generator writes {list(GENERATED_TASKS)}")
@@ -510,8 +624,8 @@ def iter_babilong_batches(
     if bad:
         raise ValueError(f"row_indices {bad[:5]} lie outside the {num_samples}-row set")
 
-    if haystack_files or haystack_dataset is not None:
-        sentences = read_haystack_sentences(haystack_files, haystack_dataset)
+    if haystack_files or haystack_files == "" or haystack_dataset is not None:
+        sentences, _ = read_haystack_sentences(haystack_files, haystack_dataset, expected_haystack_digests)
         contiguous = True
     else:
         # Enough distinct sentences that a row rarely repeats one, capped to keep start-up short.

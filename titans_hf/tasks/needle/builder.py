@@ -59,6 +59,7 @@ class TitansNeedle(TitansBabilong):
             config.task, config.num_samples, config.length, tokenizer, config.seed,
             haystack_files=config.haystack_files, row_indices=indices, batch_size=ROWS_PER_CHUNK,
             haystack_dataset=config.haystack_source(), filler=config.filler,
+            expected_haystack_digests=config.haystack_key,
         )
 
     def _example(self, row: dict, tokenizer) -> dict[str, Any]:

@@ -83,14 +83,15 @@ def _needles(task: str, rng: random.Random) -> tuple[str, list[str], str, str]:
 
 
 def _haystack_sentences(haystack_files, haystack_dataset, filler: bool, num_samples: int, length: int,
-                        seed: int) -> tuple[list[str], bool]:
-    """(sentences, contiguous): the user's prose read in order, LongLoRA's filler, or built-in prose drawn at random."""
+                        seed: int, expected_digests: list[list[str]] | None = None) -> tuple[list[str], bool]:
+    """(sentences, contiguous): the user's prose read in order (refused unless its digests are `expected_digests`,
+    when given), LongLoRA's filler, or built-in prose drawn at random."""
     if filler:
-        if haystack_files or haystack_dataset is not None:
+        if haystack_files is not None or haystack_dataset is not None:
             raise ValueError("filler=True is LongLoRA's repeated filler sentence: it takes no haystack files or dataset")
         return split_sentences(FILLER), True
-    if haystack_files or haystack_dataset is not None:
-        return read_haystack_sentences(haystack_files, haystack_dataset), True
+    if haystack_files is not None or haystack_dataset is not None:
+        return read_haystack_sentences(haystack_files, haystack_dataset, expected_digests)[0], True
     pool_random = random.Random(f"titans_needle:pool:{seed}")
     return [distractor_sentence(pool_random) for _ in range(min(8192, max(512, num_samples * length // 12)))], False
 
@@ -140,8 +141,10 @@ def iter_needle_batches(
     batch_size: int = 256,
     haystack_dataset: HaystackDataset | None = None,
     filler: bool = False,
+    expected_haystack_digests: list[list[str]] | None = None,
 ) -> Iterator[list[dict[str, object]]]:
-    """`generate_needle` in batches of rows; the haystack is read and token-counted once for all of them."""
+    """`generate_needle` in batches of rows; the haystack is read and token-counted once for all of them (and
+    refused unless its digests are ``expected_haystack_digests``, a cache key's, when given)."""
     if task not in NEEDLE_TASKS:
         raise ValueError(f"task={task!r}: the needle generator writes {list(NEEDLE_TASKS)}")
     if not tokenizer.is_fast:
@@ -152,7 +155,8 @@ def iter_needle_batches(
     bad = [i for i in indices if not 0 <= i < num_samples]
     if bad:
         raise ValueError(f"row_indices {bad[:5]} lie outside the {num_samples}-row set")
-    sentences, contiguous = _haystack_sentences(haystack_files, haystack_dataset, filler, num_samples, length, seed)
+    sentences, contiguous = _haystack_sentences(haystack_files, haystack_dataset, filler, num_samples, length, seed,
+                                                expected_haystack_digests)
     counts = token_counts(tokenizer, sentences)
     for start in range(0, len(indices), batch_size):
         yield [generate_needle_row(task, index, length, tokenizer, seed, sentences, counts, contiguous)
