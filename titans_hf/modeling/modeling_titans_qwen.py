@@ -8,8 +8,9 @@ whatever the input length; the memory is the only path further back.
 `TitansQwenModel` is the decoder: the base's own embeddings, decoder layers and final norm, under a plain Qwen's
 names (`model.embed_tokens`, `model.layers.N`, `model.norm`), a memory block at each memory layer
 (`model.memory.<layer>`, one `titans_hf.modeling.variants` block each) and, for mac, the persistent tokens
-(`model.persistent_tokens`). Its forward checks the input and streams it through the chunks, carrying the memory
-state (`titans_hf.modeling.streaming`: one dispatcher, each route named for when it runs).
+(`model.persistent_tokens`). Its forward checks the input (`titans_hf.modeling.input_checks`) and streams it
+through the chunks, carrying the memory state (`titans_hf.modeling.streaming`: one dispatcher, each route named for
+when it runs).
 
 `TitansQwenForCausalLM` adds the base's LM head (`lm_head`), which runs chunk by chunk inside the decoder's loop; it
 scores several completions of a prompt from one memory state (DPO, GRPO; `titans_hf.modeling.completions`), and is
@@ -22,7 +23,7 @@ decoder's `model.` in front (`memory.<layer>.*`, `persistent_tokens`): a memory 
 `load_memory_state_dict`, a full model's `model.safetensors` through transformers' key renaming
 (`FULL_MODEL_KEY_RENAMING`, undone on save), so folders keep one format.
 
-Below this file: the chunk stream (`streaming`), the cache (`cache_titans_qwen`), the outputs and the values the chunk
+Below this file: the input checks (`input_checks`), the chunk stream (`streaming`), the cache (`cache_titans_qwen`), the outputs and the values the chunk
 loop passes around (`outputs_titans_qwen`), building, loading and saving (`save_and_load`) over the memory folder's
 files (`memory_folder`), completion scoring (`completions`) and TRL's reference model (`memory_off_reference`).
 """
@@ -47,7 +48,7 @@ from transformers.core_model_loading import WeightRenaming
 from .cache_titans_qwen import TitansCache
 from .configuration_titans_qwen import TitansMemoryConfig, TitansQwenConfig
 from .memory import MemoryState, NeuralMemory
-from . import completions, save_and_load
+from . import completions, input_checks, save_and_load
 from .memory_folder import is_memory, is_memory_name
 from .memory_off_reference import TitansMemoryOffReference
 from .outputs_titans_qwen import (
@@ -63,50 +64,10 @@ from .variants import TitansMemoryBlock, memory_blocks, persistent_tokens
 
 logger = logging.getLogger(__name__)
 
-# what a padding-free (packed) batch carries instead of an attention mask: several documents in one row
-PACKED_BATCH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 # A full model's file keys of the memory -> its parameter names (and back on save).
 FULL_MODEL_KEY_RENAMING = [WeightRenaming(r"^memory\.", "model.memory."),
                            WeightRenaming(r"^persistent_tokens", "model.persistent_tokens")]
 register_checkpoint_conversion_mapping("TitansQwenForCausalLM", FULL_MODEL_KEY_RENAMING, overwrite=True)
-
-
-def _restarts_inside_rows(position_ids: Tensor, attention_mask: Tensor | None) -> bool:
-    """Whether positions fall back to an earlier value between two real tokens of a row (documents packed)."""
-    real = torch.ones_like(position_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-    restarts = (position_ids[:, 1:] <= position_ids[:, :-1]) & real[:, 1:] & real[:, :-1]
-    return bool(restarts.any())
-
-
-def _token_mask(attention_mask: Tensor | None, batch_size: int, length: int, device: torch.device) -> Tensor | None:
-    """The attention mask's last `length` columns (this call's) on `device`, checked; None when it masks nothing."""
-    if attention_mask is None:
-        return None
-    if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size or attention_mask.shape[1] < length:
-        raise ValueError(f"forward: attention_mask must be [batch, >= {length}] (2D, 1 = token, 0 = padding), "
-                         f"got {tuple(attention_mask.shape)}")
-    token_mask = attention_mask[:, -length:].to(device)
-    return None if bool(token_mask.all()) else token_mask  # the common case: skip every masking path
-
-
-def cache_argument(cache: TitansCache | None, kwargs: dict[str, Any]) -> TitansCache | None:
-    """The stream to continue: `cache`, or `past_key_values` (popped from `kwargs`), the name transformers gave the
-    same argument before 5.24 and Qwen's own models still take; both at once is refused."""
-    if "past_key_values" not in kwargs:
-        return cache
-    past_key_values = kwargs.pop("past_key_values")
-    if cache is not None and past_key_values is not None and past_key_values is not cache:
-        raise ValueError("forward: cache and past_key_values were both given; they are one argument (transformers "
-                         "5.24 renamed past_key_values to cache): pass one of them")
-    return cache if cache is not None else past_key_values
-
-
-def refuse_output_attentions(output_attentions: bool | None, config: TitansQwenConfig) -> None:
-    """Refuse `output_attentions=True` (by argument or, when not given, by the config), naming why."""
-    if output_attentions if output_attentions is not None else config.output_attentions:
-        raise ValueError("forward: output_attentions=True: TitansQwenForCausalLM attends chunk by chunk (each "
-                         "chunk over itself, the previous chunk and the memory's prefix tokens; the memory carries "
-                         "the rest), so it has no attention map over the input to return")
 
 
 def causal_lm_loss(head: ChunkedLMHeadOutput, num_items_in_batch: int | Tensor | None, write_cost: float,
@@ -321,9 +282,9 @@ class TitansQwenModel(ChunkStream, TitansQwenPreTrainedModel):
             the memory included (inside `memory_disabled()`, the base's chunk by chunk), normed; `cache`;
             `hidden_states` when asked for; `memory_states`; `lm_head_output`; `write_rate`.
         """
-        refuse_output_attentions(kwargs.get("output_attentions"), self.config)
-        cache = cache_argument(cache, kwargs)
-        self._check_inputs(input_ids, inputs_embeds, position_ids, attention_mask, kwargs)
+        input_checks.refuse_output_attentions(kwargs.get("output_attentions"), self.config)
+        cache = input_checks.cache_argument(cache, kwargs)
+        input_checks.check_inputs(self.config, input_ids, inputs_embeds, position_ids, attention_mask, kwargs)
         if self.training and torch.is_grad_enabled() and self._memory_enabled and not self._warned_frozen_memory:
             self._warn_if_memory_frozen()
         inputs = input_ids if inputs_embeds is None else inputs_embeds
@@ -331,7 +292,8 @@ class TitansQwenModel(ChunkStream, TitansQwenPreTrainedModel):
         if cache is not None and not isinstance(cache, TitansCache):
             raise ValueError(f"forward: cache must be a TitansCache, got {type(cache).__name__}")
         if memory_states is not None:
-            self._check_memory_states(memory_states, batch_size, cache is not None or bool(use_cache))
+            input_checks.check_memory_states(memory_states, self.memory, self.config.memory_config.chunk_size,
+                                             batch_size, cache is not None or bool(use_cache))
             memory_states = dict(memory_states)
         if cache is None and use_cache:
             cache = TitansCache(self.config)
@@ -339,7 +301,7 @@ class TitansQwenModel(ChunkStream, TitansQwenPreTrainedModel):
             output_hidden_states = self.config.output_hidden_states
         if not isinstance(output_hidden_states, bool):
             raise ValueError(f"forward: output_hidden_states must be true or false, got {output_hidden_states!r}")
-        token_mask = _token_mask(attention_mask, batch_size, length, inputs.device)
+        token_mask = input_checks.token_mask(attention_mask, batch_size, length, inputs.device)
         hidden_mode = "all" if output_hidden_states else "last" if lm_head is None else None
         request = (StreamRequest(hidden_states=hidden_mode) if lm_head is None
                    else lm_head.request(token_mask, (batch_size, length), inputs.device, hidden_mode))
@@ -369,69 +331,6 @@ class TitansQwenModel(ChunkStream, TitansQwenPreTrainedModel):
         return TitansModelOutput(last_hidden_state=last_hidden_state, cache=cache, hidden_states=hidden_states,
                                  memory_states=stream.states if states_given else None,
                                  lm_head_output=head_output, write_rate=write_rate)
-
-    def _check_inputs(self, input_ids: Tensor | None, inputs_embeds: Tensor | None, position_ids: Tensor | None,
-                      attention_mask: Tensor | None, kwargs: dict[str, Any]) -> None:
-        """Refuse, naming what is wrong, a packed (padding-free) batch, both or neither of input_ids and
-        inputs_embeds, and ids or embeddings of the wrong shape or kind."""
-        packed = [key for key in PACKED_BATCH_KWARGS if kwargs.get(key) is not None]
-        if packed or (position_ids is not None and _restarts_inside_rows(position_ids, attention_mask)):
-            raise ValueError("TitansQwenForCausalLM reads each row as one stream through its memory: packed / "
-                             f"padding-free batches (position_ids restarting inside a row{', ' if packed else ''}"
-                             f"{', '.join(packed)}) are not supported; use padding (e.g. TRL's padding_free=False, "
-                             "packing=False)")
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("forward: pass exactly one of input_ids and inputs_embeds")
-        hidden_size = self.config.text_config.hidden_size
-        if input_ids is not None:
-            self._check_input_ids(input_ids)
-        if inputs_embeds is not None and (inputs_embeds.dim() != 3 or inputs_embeds.shape[1] == 0
-                                          or inputs_embeds.shape[2] != hidden_size
-                                          or not inputs_embeds.is_floating_point()):
-            raise ValueError(f"forward: inputs_embeds must be a [batch, tokens >= 1, {hidden_size}] float tensor, got "
-                             f"{inputs_embeds.dtype} {tuple(inputs_embeds.shape)}")
-
-    def _check_input_ids(self, input_ids: Tensor | None) -> None:
-        """Refuse, naming what is wrong, input_ids that are not a [batch, tokens >= 1] tensor of integer ids below
-        the vocabulary size (torch would say "index out of range in self", or assert on the device)."""
-        if input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] == 0:
-            raise ValueError("forward: input_ids must be a [batch, tokens >= 1] LongTensor")
-        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
-            raise ValueError(f"forward: input_ids must hold integer token ids, got a {input_ids.dtype} tensor")
-        vocab_size = self.config.text_config.vocab_size
-        low, high = int(input_ids.min()), int(input_ids.max())
-        if low < 0 or high >= vocab_size:
-            raise ValueError(f"forward: input_ids hold the id {low if low < 0 else high}, outside the vocabulary of "
-                             f"{vocab_size} tokens (ids 0..{vocab_size - 1}): they come from another tokenizer")
-
-    def _check_memory_states(self, memory_states: Any, batch_size: int, cached: bool) -> None:
-        """Refuse given memory states that cannot start this stream, in one line naming the layer, the field and
-        what was expected: a dict {memory layer: MemoryState} whose states are what this model's memories make
-        for `batch_size` rows (`NeuralMemory.state_problem`: shapes, dtypes, finite values), at a chunk boundary."""
-        if cached:
-            raise ValueError("forward: memory_states start a stream without a cache; a cache holds its own states")
-        layers = sorted(int(layer) for layer in self.memory)
-        if not isinstance(memory_states, dict) or set(memory_states) != set(layers):
-            got = (f"a dict with keys {sorted(memory_states, key=repr)}" if isinstance(memory_states, dict)
-                   else f"a {type(memory_states).__name__}")
-            raise ValueError(f"forward: memory_states must be a dict with one MemoryState per memory layer {layers} "
-                             f"(e.g. an output's memory_states, or init_memory_states(batch_size)), got {got}")
-        chunk_size = self.config.memory_config.chunk_size
-        for layer in layers:
-            state, where = memory_states[layer], f"memory_states[{layer}]"
-            if not isinstance(state, MemoryState):
-                hint = " (MemoryState.from_state_dict makes one of a state_dict)" if isinstance(state, dict) else ""
-                raise ValueError(f"forward: {where} must be a MemoryState, got a {type(state).__name__}{hint}")
-            tail = state.conv_tail
-            if isinstance(tail, Tensor) and tail.dim() == 3 and tail.shape[0] != batch_size:
-                raise ValueError(f"forward: memory_states must hold {batch_size} rows each (one per input row); "
-                                 f"{where} holds {tail.shape[0]}")
-            problem = self.memory[str(layer)].neural_memory.state_problem(state, batch_size)
-            if problem is not None:
-                raise ValueError(f"forward: {where}.{problem}")
-            if state.position % chunk_size:
-                raise ValueError(f"forward: {where}.position is {state.position}: memory_states must be at a chunk "
-                                 f"boundary (a multiple of chunk_size {chunk_size})")
 
     def _warn_if_memory_frozen(self) -> None:
         """Say once, in a training forward, that nothing trains the memory: every one of its weights is frozen, as
@@ -588,8 +487,8 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
             (default: `memory_config`'s) times `write_rate`: a price on every write, so training opens the write gate
             only where the loss gains from it and the tokens between facts write little over them (docs/length.md).
         """
-        refuse_output_attentions(kwargs.get("output_attentions"), self.config)
-        cache = cache_argument(cache, kwargs)
+        input_checks.refuse_output_attentions(kwargs.get("output_attentions"), self.config)
+        cache = input_checks.cache_argument(cache, kwargs)
         if write_cost is not None and not write_cost >= 0:
             raise ValueError(f"forward: write_cost={write_cost!r} must be >= 0 (a weight on the loss)")
         if completion_ids is not None:
