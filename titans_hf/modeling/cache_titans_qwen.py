@@ -88,6 +88,8 @@ class TitansCache(DynamicCache):
     def __init__(self, config: TitansQwenConfig):
         super().__init__(config=config.text_config)
         self.seen_tokens = 0
+        # the update rule of the memory whose states it holds: a model of another rule refuses the cache
+        self.update_rule = config.memory_config.update_rule
         self.memory_states: dict[int, MemoryState] | None = None
         self.phase_groups: list[PhaseGroup] | None = None
         self.chunk_attention_mask: Tensor | None = None  # [B, keys held], prefix included

@@ -3,8 +3,8 @@ one line that names the argument and what is wrong, so that a bad input never re
 NaN memory state, NaN logits without a word).
 
 `refuse_output_attentions` and `cache_argument` read the arguments both model classes take; `check_inputs` (the ids or
-embeddings, a packed batch), `token_mask` (the attention mask) and `check_memory_states` (states given to start a
-stream from) are the decoder's.
+embeddings, a packed batch), `token_mask` (the attention mask), `check_cache` (a stream to continue) and
+`check_memory_states` (states given to start a stream from) are the decoder's.
 """
 
 from __future__ import annotations
@@ -30,6 +30,15 @@ def refuse_output_attentions(output_attentions: bool | None, config: TitansQwenC
                          "the rest), so it has no attention map over the input to return")
 
 
+def refuse_output_attentions_at_load(kwargs: dict[str, Any], method: str) -> None:
+    """Refuse `output_attentions=True` among a loading method's keyword arguments (`method` names it): it would
+    reach the base's config alone, and the model would return no attentions without a word."""
+    if kwargs.get("output_attentions"):
+        raise ValueError(f"{method}: output_attentions=True: TitansQwenForCausalLM attends chunk by chunk (each chunk "
+                         "over itself, the previous chunk and the memory's prefix tokens; the memory carries the "
+                         "rest), so it has no attention map over the input to return; load without it")
+
+
 def cache_argument(cache: TitansCache | None, kwargs: dict[str, Any]) -> TitansCache | None:
     """The stream to continue: `cache`, or `past_key_values` (popped from `kwargs`), the name transformers gave the
     same argument before 5.24 and Qwen's own models still take; both at once is refused."""
@@ -40,6 +49,20 @@ def cache_argument(cache: TitansCache | None, kwargs: dict[str, Any]) -> TitansC
         raise ValueError("forward: cache and past_key_values were both given; they are one argument (transformers "
                          "5.24 renamed past_key_values to cache): pass one of them")
     return cache if cache is not None else past_key_values
+
+
+def check_cache(cache: Any, config: TitansQwenConfig) -> None:
+    """Refuse a `cache` that is no `TitansCache`, or one a model of another update rule made (the memory states it
+    holds mean something under that rule alone)."""
+    if cache is None:
+        return
+    if not isinstance(cache, TitansCache):
+        raise ValueError(f"forward: cache must be a TitansCache, got {type(cache).__name__}")
+    rule = config.memory_config.update_rule
+    if cache.update_rule != rule:
+        raise ValueError(f"forward: cache holds the memory states of a model of update_rule={cache.update_rule!r}; "
+                         f"this model's memory is update_rule={rule!r}, under which those states mean nothing: "
+                         "continue a stream with the model that started it")
 
 
 def restarts_inside_rows(position_ids: Tensor, attention_mask: Tensor | None) -> bool:

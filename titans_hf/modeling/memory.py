@@ -96,6 +96,9 @@ class MemoryState:
     # sum of theta / max_lr over the real tokens and heads of the call that made this state (what the write cost
     # averages); not part of the stream: None on states no call made, never saved or carried on
     written: Tensor | None = None
+    # the update rule whose memory made this state (its fast weights mean something under that rule alone): a memory
+    # of another rule refuses it (`NeuralMemory.state_problem`); None where unknown (read back by `from_state_dict`)
+    update_rule: str | None = None
 
     @property
     def batch_size(self) -> int:
@@ -111,6 +114,7 @@ class MemoryState:
             batch_start_weights=weights if shared else [fn(t) for t in self.batch_start_weights],
             **{name: fn(getattr(self, name)) for name in _TENSOR_FIELDS},
             position=self.position,
+            update_rule=self.update_rule,
         )
 
     def detach(self) -> "MemoryState":
@@ -155,7 +159,7 @@ class MemoryState:
                  for name in _LIST_FIELDS if not (shared and name == "batch_start_weights")}
         return cls(**lists, batch_start_weights=lists["weights"] if shared else lists["batch_start_weights"],
                    **{name: torch.cat([getattr(state, name) for state in states]) for name in _TENSOR_FIELDS},
-                   position=states[0].position)
+                   position=states[0].position, update_rule=states[0].update_rule)
 
     def to(self, device: torch.device | str) -> "MemoryState":
         return self._map(lambda t: t.to(device))
@@ -173,7 +177,7 @@ class MemoryState:
 
     @classmethod
     def from_state_dict(cls, state_dict: dict[str, Tensor]) -> "MemoryState":
-        expected = {f.name for f in fields(cls)} - {"written"}
+        expected = {f.name for f in fields(cls)} - {"written", "update_rule"}
         present = {key.split(".")[0] for key in state_dict}
         if present != expected:
             raise ValueError(
@@ -482,6 +486,7 @@ class NeuralMemory(nn.Module):
             buffer_gate_logits=torch.zeros(batch_size, 0, 2 * heads, **empty),
             buffer_mask=torch.zeros(batch_size, 0, **empty),
             position=0,
+            update_rule=self.update_rule,
         )
 
     def retrieve(self, hidden: Tensor, state: MemoryState) -> Tensor:
@@ -504,9 +509,10 @@ class NeuralMemory(nn.Module):
         """What keeps `state` from continuing this memory's stream for `batch_size` rows, as "<field>: expected ...,
         got ...": the first field that is not what `init_state` makes for this memory (a list of one tensor per fast
         weight; tensors of its shapes, the buffers holding ``position % memory_chunk_size`` tokens, in the state
-        dtype), a `position` that is not a count of tokens, or a tensor holding NaN or inf; None when it can continue
-        it. Shapes and dtypes are read without touching the values; finiteness is one reduction per tensor and one
-        device sync for all of them."""
+        dtype), a `position` that is not a count of tokens, a state another update rule's memory made (whose fast
+        weights mean something under that rule alone), or a tensor holding NaN or inf; None when it can continue it.
+        Shapes and dtypes are read without touching the values; finiteness is one reduction per tensor and one device
+        sync for all of them."""
         position = state.position
         if isinstance(position, bool) or not isinstance(position, int) or position < 0:
             return f"position: expected the number of tokens seen (an integer >= 0), got {position!r}"
@@ -535,6 +541,9 @@ class NeuralMemory(nn.Module):
                     f" (position {position} leaves {held} token(s) of an unfinished update chunk of "
                     f"{self.memory_chunk_size})")
                 return f"{label}: expected a {dtype} tensor of shape {shape}{why}, got {got}"
+        if state.update_rule is not None and state.update_rule != self.update_rule:
+            return (f"update_rule: expected a state of this memory's update_rule={self.update_rule!r}, got one made by "
+                    f"a memory of update_rule={state.update_rule!r}")
         present = [(label, tensor) for label, tensor, _ in expected if tensor.numel()]
         device = present[0][1].device
         finite = torch.stack([torch.isfinite(tensor).all().to(device) for _, tensor in present])
@@ -640,6 +649,7 @@ class NeuralMemory(nn.Module):
             buffer_mask=real[:, rest],
             position=state.position + T,
             written=written,
+            update_rule=self.update_rule,
         )
         return out, new_state
 

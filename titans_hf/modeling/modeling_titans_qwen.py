@@ -74,7 +74,17 @@ def causal_lm_loss(head: ChunkedLMHeadOutput, num_items_in_batch: int | Tensor |
                    write_rate: Tensor | None) -> Tensor:
     """The labelled positions' summed loss over `num_items_in_batch` (gradient accumulation; None: their mean), plus
     the write cost: `write_cost` times the memory's `write_rate`, weighted by this batch's share of the accumulated
-    labels so that the batches add up to one cost, as they add up to one mean loss."""
+    labels so that the batches add up to one cost, as they add up to one mean loss.
+
+    Labels with no labelled token are refused when nothing else is labelled either (`num_items_in_batch` None or 0):
+    their mean loss is undefined (transformers' own models return NaN). A micro-batch without one inside an
+    accumulated batch that has some (`num_items_in_batch` > 0, as the Trainer passes under gradient accumulation)
+    adds 0, its share of the accumulated mean."""
+    if not int(head.num_labels) and (num_items_in_batch is None or not int(num_items_in_batch)):
+        raise ValueError("forward: labels label no token (every label after the first position is -100; the first "
+                         "is predicted by nothing), so their mean loss is undefined: pass labels with a token != -100 "
+                         "after the first, or num_items_in_batch > 0 counting the labelled tokens of the whole "
+                         "accumulated batch")
     if num_items_in_batch is not None:
         if isinstance(num_items_in_batch, Tensor):
             num_items_in_batch = num_items_in_batch.to(head.loss_sum.device)
@@ -289,8 +299,7 @@ class TitansQwenModel(ChunkStream, TitansQwenPreTrainedModel):
             self._warn_if_memory_frozen()
         inputs = input_ids if inputs_embeds is None else inputs_embeds
         batch_size, length = inputs.shape[:2]
-        if cache is not None and not isinstance(cache, TitansCache):
-            raise ValueError(f"forward: cache must be a TitansCache, got {type(cache).__name__}")
+        input_checks.check_cache(cache, self.config)
         if memory_states is not None:
             input_checks.check_memory_states(memory_states, self.memory, self.config.memory_config.chunk_size,
                                              batch_size, cache is not None or bool(use_cache))
@@ -590,6 +599,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         Returns:
             `TitansQwenForCausalLM`: the base with a freshly initialised memory, on the base's device.
         """
+        input_checks.refuse_output_attentions_at_load(load_kwargs or {}, "from_base")
         return save_and_load.build_on_base(cls, base, memory_config, save_and_load.BaseLoading(
             revision, dtype, attn_implementation, dict(load_kwargs or {})), memory_settings)
 
@@ -639,6 +649,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         Returns:
             `TitansQwenForCausalLM`: the base with the trained memory (and LoRA), memory and LoRA trainable as saved.
         """
+        input_checks.refuse_output_attentions_at_load(load_kwargs, "from_base_and_memory")
         source = save_and_load.MemorySource(memory, revision, token, cache_dir, local_files_only)
         return save_and_load.load_on_base(cls, base, source, save_and_load.BaseLoading(
             base_revision, dtype, attn_implementation, load_kwargs))
@@ -656,6 +667,7 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         `AutoModelForCausalLM.from_pretrained` and `pipeline` arrive here through the folder's `config.json`; what
         they add (the config they read from it, their own markers, `trust_remote_code`) does not reach the base,
         which always loads with `trust_remote_code=False`."""
+        input_checks.refuse_output_attentions_at_load(kwargs, "from_pretrained")
         hub = {key: kwargs[key] for key in save_and_load.HUB_KWARGS if key in kwargs}
         if not args and is_memory(pretrained_model_name_or_path, revision=kwargs.get("revision"), **hub):
             return cls.from_base_and_memory(None, pretrained_model_name_or_path,
