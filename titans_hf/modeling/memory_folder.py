@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
-from huggingface_hub import _CACHED_NO_EXIST, hf_hub_download, is_offline_mode, try_to_load_from_cache
+from huggingface_hub import file_download, hf_hub_download, is_offline_mode, try_to_load_from_cache
 from huggingface_hub.errors import (
     EntryNotFoundError,
     HFValidationError,
@@ -341,7 +341,7 @@ def optional_hub_file(name_or_path: str | os.PathLike, filename: str, revision: 
     offline = is_offline_mode() or local_files_only
     if offline and is_hub_id(str(name_or_path)):
         cached = try_to_load_from_cache(str(name_or_path), filename, cache_dir=cache_dir, revision=revision)
-        if cached is _CACHED_NO_EXIST:
+        if cached is file_download._CACHED_NO_EXIST:  # private: see library_internals
             return None
         if cached is None:
             logger.warning("%s: %s is not in the local Hugging Face cache and the Hub cannot be reached (offline); "

@@ -49,6 +49,7 @@ from .cache_titans_qwen import TitansCache
 from .configuration_titans_qwen import TitansMemoryConfig, TitansQwenConfig
 from .memory import MemoryState, NeuralMemory
 from . import completions, input_checks, save_and_load
+from .library_internals import check_transformers_internals_once
 from .memory_folder import is_memory, is_memory_name
 from .memory_off_reference import TitansMemoryOffReference
 from .outputs_titans_qwen import (
@@ -125,6 +126,10 @@ class TitansQwenPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
     # small, and trained with tiny steps: loaded in fp32 under a bf16 backbone (the model casts at the boundaries)
     _keep_in_fp32_modules_strict = ["memory", "persistent_tokens"]
+
+    def __init__(self, config: TitansQwenConfig, *args: Any, **kwargs: Any):
+        check_transformers_internals_once()
+        super().__init__(config, *args, **kwargs)
 
     def _init_weights(self, module: nn.Module) -> None:
         std = getattr(self.config.text_config, "initializer_range", 0.02)
