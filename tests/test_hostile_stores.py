@@ -190,6 +190,28 @@ def test_data_files_inferred_from_the_working_directory_are_refused(tmp_path, mo
     assert checksums(store) == before
 
 
+def test_a_data_files_glob_that_matches_nothing_is_named(tmp_path, monkeypatch):
+    """datasets drops a glob matching nothing without a word: alone it left an empty split ("Instruction 'train'
+    corresponds to no data"), beside a store it loaded fewer stores than named."""
+    work = tmp_path / "work"
+    work.mkdir()
+    store = make_store(work / "corpus.h5", {"sequence": TOKENS})
+    monkeypatch.chdir(work)
+    before = checksums(store)
+    cache = str(tmp_path / "cache")
+    nothing = rf"titans_tokens: data_files pattern 'nope/\*.bin' \(split 'train'\) matches no file under {work}"
+    with pytest.raises(ValueError, match=nothing):
+        load_dataset("titans_tokens", data_files="nope/*.bin", window_size=10, split="train", cache_dir=cache)
+    with pytest.raises(ValueError, match=nothing):
+        load_dataset("titans_tokens", data_files=["corpus.h5", "nope/*.bin"], window_size=10, cache_dir=cache)
+    with pytest.raises(ValueError, match=rf"pattern 'missing\*.h5' \(split 'test'\) matches no file under {work}"):
+        datasets.load_dataset_builder("titans_tokens", data_files={"train": "corpus.h5", "test": "missing*.h5"},
+                                      window_size=10, cache_dir=cache)
+    # a glob that matches loads what it matches
+    assert len(load_dataset("titans_tokens", data_files="*.h5", window_size=10, split="train", cache_dir=cache)) == 3
+    assert checksums(store) == before
+
+
 # 3. token ids, dtypes, rewards and groups --------------------------------------------------------------------
 
 

@@ -193,7 +193,9 @@ def sandbox(tmp_path, tiny_tokenizer_dir, monkeypatch):
     work = tmp_path / "work"
     (work / "corpus").mkdir(parents=True)
     for index in range(3):
-        (work / "corpus" / f"book{index}.txt").write_text(PROSE * (60 + 10 * index), encoding="utf-8")
+        # a ledger line a paragraph, so that the books hold the distinct sentences a haystack needs
+        book = "".join(f"{PROSE}The ledger's page {page} was written in blue ink. " for page in range(60 + 10 * index))
+        (work / "corpus" / f"book{index}.txt").write_text(book, encoding="utf-8")
     chats = [{"messages": [{"role": "user", "content": f"Where did ship {i} wait?"},
                            {"role": "assistant", "content": "In the harbour, for the tide."}]} for i in range(40)]
     (work / "chats.jsonl").write_text("".join(json.dumps(chat) + "\n" for chat in chats), encoding="utf-8")

@@ -80,7 +80,7 @@ def check_datasets_internals() -> None:
         problems.append("datasets.load no longer reads datasets.packaged_modules._PACKAGED_DATASETS_MODULES")
     if "get_module" not in vars(getattr(datasets_load, "PackagedDatasetModuleFactory", object)):
         problems.append("datasets.load.PackagedDatasetModuleFactory.get_module is gone")
-    for name in ("DatasetModule", "DataFilesDict"):
+    for name in ("DatasetModule", "DataFilesDict", "DataFilesList", "sanitize_patterns"):
         if not hasattr(datasets_load, name):
             problems.append(f"datasets.load.{name} is gone")
     if problems:
@@ -94,6 +94,22 @@ def register_builders() -> None:
         _PACKAGED_DATASETS_MODULES[name] = (module_path, source_hash(name))
 
 
+def _refuse_patterns_matching_nothing(factory: datasets_load.PackagedDatasetModuleFactory) -> None:
+    """A ValueError naming the first `data_files` glob that matches no file: `datasets` drops such a pattern without
+    a word, leaving a split with fewer files than named or none ("Instruction 'train' corresponds to no data")."""
+    base_path = Path(factory.data_dir or "").expanduser().resolve().as_posix()
+    for split, patterns in datasets_load.sanitize_patterns(factory.data_files).items():
+        for pattern in patterns:
+            files = datasets_load.DataFilesList.from_patterns(
+                [pattern], base_path=base_path, download_config=factory.download_config
+            )
+            if not files:
+                raise ValueError(
+                    f"{factory.name}: data_files pattern {pattern!r} (split {split!r}) matches no file under "
+                    f"{base_path}; name .h5 stores or files of bin stores (e.g. 'corpus.h5' or 'corpus_bin/*')"
+                )
+
+
 def _packaged_module_without_data_files(resolve_module):
     def get_module(factory: datasets_load.PackagedDatasetModuleFactory) -> datasets_load.DatasetModule:
         no_files = factory.data_files is None and factory.data_dir is None
@@ -103,6 +119,8 @@ def _packaged_module_without_data_files(resolve_module):
                 f"'corpus_bin/*'); none were given, and datasets would load whatever lies in the working directory "
                 f"{Path().resolve()}. Pass data_files, or data_dir to load the stores of a folder on purpose"
             )
+        if factory.data_files is not None and factory.name in NAMED_FILES_BUILDERS:
+            _refuse_patterns_matching_nothing(factory)
         if no_files and factory.name in GENERATING_BUILDERS:
             module_path, code_hash = _PACKAGED_DATASETS_MODULES[factory.name]
             return datasets_load.DatasetModule(

@@ -297,6 +297,103 @@ def token_counter(tokenizer) -> Callable[[str], int]:
     return count
 
 
+@dataclass
+class _DocumentText:
+    """The text of a document being written, sentence by sentence, within `length` units of `count`."""
+
+    length: int
+    count: Callable[[str], int]
+    pieces: list[str] = field(default_factory=list)
+    position: int = 0  # units written so far, separators included
+    chars: int = 0
+
+    def add(self, sentence: str) -> tuple[int, int] | None:
+        """Append a sentence if it fits; return its character span (None if it does not fit)."""
+        piece = sentence if not self.pieces else " " + sentence
+        units = self.count(piece)
+        if self.position + units > self.length:
+            return None
+        start = self.chars + (len(piece) - len(sentence))
+        self.pieces.append(piece)
+        self.position += units
+        self.chars += len(piece)
+        return start, self.chars
+
+
+def _people_count(rng: random.Random, num_people: int | tuple[int, int], people: list[str], pool: list[str],
+                  min_distance: int, max_references: int, reference_rate: float, echo_rate: float) -> int:
+    """The number of people of this document (drawn when `num_people` is a (min, max) range), the settings
+    checked."""
+    if isinstance(num_people, (tuple, list)):  # a range: drawn per document
+        low, high = num_people
+        if not 1 <= low <= high:
+            raise ValueError(f"generate_document: num_people range {num_people} must satisfy 1 <= min <= max")
+        num_people = rng.randint(low, high)
+    if not 1 <= num_people <= len(people):
+        raise ValueError(f"generate_document: num_people={num_people} must lie in [1, {len(people)}]")
+    if num_people > len(pool):
+        raise ValueError(f"generate_document: num_people={num_people} needs that many distinct values, the pool "
+                         f"holds {len(pool)}")
+    if min_distance < 0 or max_references < 0 or not 0 <= reference_rate <= 1 or not 0 <= echo_rate <= 1:
+        raise ValueError("generate_document: min_distance and max_references must be >= 0, reference_rate and "
+                         "echo_rate in [0, 1]")
+    return num_people
+
+
+def _write_statements(rng: random.Random, text: _DocumentText, people: list[str], attributes: list[str],
+                      values: list[str], intro_prose: tuple[int, int]) -> tuple[list[Statement], dict[int, int]]:
+    """The introduction: each person's statement, each followed by up to `intro_prose` (min, max) prose sentences
+    that leave room for the statements still to come. Returns the statements and, per person index, the units at
+    the end of its statement."""
+    stated = [_fill(rng.choice(ATTRIBUTES[attributes[index]]["statements"]), rng, title=rng.choice(TITLES),
+                    person=people[index], value=values[index]) for index in range(len(people))]
+    needed = [text.count(" " + sentence) for sentence, _ in stated]  # what the statements still to come take
+    if sum(needed) > text.length:
+        raise ValueError(f"generate_document: length={text.length} is too short for {len(people)} statements")
+    statements: list[Statement] = []
+    last_named = {}
+    for index, (sentence, value_span) in enumerate(stated):
+        span = text.add(sentence)
+        statements.append(Statement(people[index], attributes[index], values[index], span,
+                                    (span[0] + value_span[0], span[0] + value_span[1])))
+        last_named[index] = text.position
+        for _ in range(rng.randint(*intro_prose)):
+            prose = distractor_sentence(rng)
+            if text.position + text.count(" " + prose) + sum(needed[index + 1:]) <= text.length:
+                text.add(prose)
+    return statements, last_named
+
+
+def _write_body(rng: random.Random, text: _DocumentText, people: list[str], attributes: list[str],
+                values: list[str], last_named: dict[int, int], min_distance: int, max_references: int,
+                reference_rate: float, echo_rate: float) -> list[Reference]:
+    """The body: prose in which, at each sentence, with probability `reference_rate`, a person whose value was last
+    named at least `min_distance` units ago is referred to; until three sentences in a row no longer fit."""
+    references: list[Reference] = []
+    referenced = [0] * len(people)
+    failures = 0
+    while failures < 3:  # stop once sentences no longer fit
+        due = [i for i in range(len(people))
+               if referenced[i] < max_references and text.position - last_named[i] >= min_distance]
+        if due and rng.random() < reference_rate:
+            index = rng.choice(due)
+            kind = ATTRIBUTES[attributes[index]]
+            templates = kind["echoes"] if rng.random() < echo_rate else kind["references"]
+            sentence, value_span = _fill(rng.choice(templates), rng, person=people[index], value=values[index])
+            before = text.position
+            span = text.add(sentence)
+            if span is None:
+                failures += 1
+                continue
+            references.append(Reference(index, values[index], (span[0] + value_span[0], span[0] + value_span[1]),
+                                        span, before - last_named[index]))
+            last_named[index] = text.position
+            referenced[index] += 1
+        elif text.add(distractor_sentence(rng)) is None:
+            failures += 1
+    return references
+
+
 def generate_document(
     rng: random.Random,
     length: int = 2000,
@@ -324,80 +421,17 @@ def generate_document(
     pool = VALUE_POOL if pool is None else pool
     people = people_pool() if people is None else people
     kinds = sorted(ATTRIBUTES)
-    if isinstance(num_people, (tuple, list)):  # a range: drawn per document
-        low, high = num_people
-        if not 1 <= low <= high:
-            raise ValueError(f"generate_document: num_people range {num_people} must satisfy 1 <= min <= max")
-        num_people = rng.randint(low, high)
-    if not 1 <= num_people <= len(people):
-        raise ValueError(f"generate_document: num_people={num_people} must lie in [1, {len(people)}]")
-    if num_people > len(pool):
-        raise ValueError(f"generate_document: num_people={num_people} needs that many distinct values, the pool "
-                         f"holds {len(pool)}")
-    if min_distance < 0 or max_references < 0 or not 0 <= reference_rate <= 1 or not 0 <= echo_rate <= 1:
-        raise ValueError("generate_document: min_distance and max_references must be >= 0, reference_rate and "
-                         "echo_rate in [0, 1]")
+    num_people = _people_count(rng, num_people, people, pool, min_distance, max_references, reference_rate,
+                               echo_rate)
     people = rng.sample(people, num_people)
     attributes = [kinds[i % len(kinds)] for i in rng.sample(range(max(num_people, len(kinds))), num_people)]
     values = rng.sample(pool, num_people)
 
-    pieces: list[str] = []
-    position = 0  # units written so far, separators included
-    chars = 0
-    statements: list[Statement] = []
-    references: list[Reference] = []
-    last_named = {}  # person index -> units at the end of the last sentence naming its value
-    referenced = [0] * num_people
-
-    def add(sentence: str) -> tuple[int, int] | None:
-        """Append a sentence if it fits; return its character span."""
-        nonlocal position, chars
-        piece = sentence if not pieces else " " + sentence
-        units = count(piece)
-        if position + units > length:
-            return None
-        start = chars + (len(piece) - len(sentence))
-        pieces.append(piece)
-        position += units
-        chars += len(piece)
-        return start, chars
-
-    stated = [_fill(rng.choice(ATTRIBUTES[attributes[index]]["statements"]), rng, title=rng.choice(TITLES),
-                    person=people[index], value=values[index]) for index in range(num_people)]
-    needed = [count(" " + sentence) for sentence, _ in stated]  # what the statements still to come take
-    if sum(needed) > length:
-        raise ValueError(f"generate_document: length={length} is too short for {num_people} statements")
-    for index, (sentence, value_span) in enumerate(stated):
-        span = add(sentence)
-        statements.append(Statement(people[index], attributes[index], values[index], span,
-                                    (span[0] + value_span[0], span[0] + value_span[1])))
-        last_named[index] = position
-        for _ in range(rng.randint(*intro_prose)):
-            prose = distractor_sentence(rng)
-            if position + count(" " + prose) + sum(needed[index + 1:]) <= length:  # room kept for the statements
-                add(prose)
-
-    failures = 0
-    while failures < 3:  # stop once sentences no longer fit
-        due = [i for i in range(num_people)
-               if referenced[i] < max_references and position - last_named[i] >= min_distance]
-        if due and rng.random() < reference_rate:
-            index = rng.choice(due)
-            kind = ATTRIBUTES[attributes[index]]
-            templates = kind["echoes"] if rng.random() < echo_rate else kind["references"]
-            sentence, value_span = _fill(rng.choice(templates), rng, person=people[index], value=values[index])
-            before = position
-            span = add(sentence)
-            if span is None:
-                failures += 1
-                continue
-            references.append(Reference(index, values[index], (span[0] + value_span[0], span[0] + value_span[1]),
-                                        span, before - last_named[index]))
-            last_named[index] = position
-            referenced[index] += 1
-        elif add(distractor_sentence(rng)) is None:
-            failures += 1
-    return RecallDocument("".join(pieces), statements, references, position)
+    text = _DocumentText(length, count)
+    statements, last_named = _write_statements(rng, text, people, attributes, values, intro_prose)
+    references = _write_body(rng, text, people, attributes, values, last_named, min_distance, max_references,
+                             reference_rate, echo_rate)
+    return RecallDocument("".join(text.pieces), statements, references, text.position)
 
 
 def _document_random(seed: int, index: int) -> random.Random:
