@@ -32,17 +32,19 @@ def as_previous_chunk_mask(mask: Tensor | None, num_prefix: int) -> Tensor | Non
 @dataclass
 class PreviousChunk:
     """The previous chunk as the next one's attention sees it (attend_previous_chunk): per layer its keys (RoPE at
-    positions 0 ..) and values [B, kv heads, keys, head dim], and its 2-D key mask (None: no padding)."""
+    positions 0 ..) and values [B, kv heads, keys, head dim] (None for a layer the stream does not run, see
+    `StreamRequest.layers`), and its 2-D key mask (None: no padding)."""
 
-    key_values: list[tuple[Tensor, Tensor]]
+    key_values: list[tuple[Tensor, Tensor] | None]
     mask: Tensor | None
 
     @property
     def length(self) -> int:
-        return self.key_values[0][0].shape[-2] if self.key_values else 0
+        return next((pair[0].shape[-2] for pair in self.key_values if pair is not None), 0)
 
     def detach(self) -> PreviousChunk:
-        return PreviousChunk([(keys.detach(), values.detach()) for keys, values in self.key_values], self.mask)
+        return PreviousChunk([None if pair is None else (pair[0].detach(), pair[1].detach())
+                              for pair in self.key_values], self.mask)
 
 
 @dataclass

@@ -46,6 +46,7 @@ from transformers.conversion_mapping import register_checkpoint_conversion_mappi
 from transformers.core_model_loading import WeightRenaming
 
 from .cache_titans_qwen import TitansCache
+from .frozen_trunk import DEFAULT_TRUNK_BYTES, FrozenTrunkCache
 from .configuration_titans_qwen import TitansMemoryConfig, TitansQwenConfig
 from .memory import MemoryState, NeuralMemory
 from . import completions, input_checks, save_and_load
@@ -187,6 +188,7 @@ class TitansQwenModel(ChunkStream, TitansQwenPreTrainedModel):
         self._layer_major_enabled = True
         self._warned_frozen_memory = False
         self._compiled_chunk_step = None  # set by compile_chunks()
+        self._frozen_trunk_cache: FrozenTrunkCache | None = None  # set by cache_frozen_trunk()
         self._chunk_compiler: tuple[dict, Callable] | None = None  # (its options, the compiled step), kept when off
         self.post_init()
         # the base decoder's placement and parallel plans, over the modules it holds under the same names
@@ -217,6 +219,22 @@ class TitansQwenModel(ChunkStream, TitansQwenPreTrainedModel):
             yield self
         finally:
             self._layer_major_enabled = previous
+
+    def cache_frozen_trunk(self, enable: bool = True, max_bytes: int = DEFAULT_TRUNK_BYTES) -> "TitansQwenModel":
+        """Keep each row's hidden states below the first memory layer (its trunk, in a `FrozenTrunkCache` of up to
+        `max_bytes` on the CPU) and start the row's later readings there, or with `enable=False` drop them and run
+        every layer again; returns the model.
+
+        With the base frozen below the memory, those layers give a row the same hidden states every time (see
+        `frozen_trunk`): a training epoch after the first, or the memory read on, off and swapped over the same rows,
+        then costs only the layers from the memory up. The first reading of a batch computes its trunk without
+        gradients by the route the stream takes, so losses and gradients are those of the stream without it. Used
+        by forward calls on token ids without a cache that do not ask for every layer's hidden states (prefill and
+        decoding run every layer); refused at the call when a layer below the memory trains (a LoRA there,
+        freeze_base=False) or training draws attention dropout. Nothing when tokens from the memory enter the first
+        layer (mac, persistent tokens). A setting of the run: not saved."""
+        self._frozen_trunk_cache = FrozenTrunkCache(max_bytes) if enable else None
+        return self
 
     @property
     def padding_multiple(self) -> int:
@@ -319,6 +337,7 @@ class TitansQwenModel(ChunkStream, TitansQwenPreTrainedModel):
         hidden_mode = "all" if output_hidden_states else "last" if lm_head is None else None
         request = (StreamRequest(hidden_states=hidden_mode) if lm_head is None
                    else lm_head.request(token_mask, (batch_size, length), inputs.device, hidden_mode))
+        inputs, request = self._from_trunk(inputs, token_mask, cache, memory_states, request)
         stream = self._stream(inputs, token_mask, cache, memory_states, request)
         return self._model_output(stream, request, token_mask, batch_size * length, cache, memory_states is not None)
 
@@ -417,6 +436,12 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
     def chunk_by_chunk(self) -> contextlib.AbstractContextManager:
         """Always the chunk loop, never the layer-by-layer order (see `TitansQwenModel.chunk_by_chunk`)."""
         return self.model.chunk_by_chunk()
+
+    def cache_frozen_trunk(self, enable: bool = True, max_bytes: int = DEFAULT_TRUNK_BYTES) -> "TitansQwenForCausalLM":
+        """Keep each row's hidden states below the first memory layer and start its later readings there; returns the
+        model (see `TitansQwenModel.cache_frozen_trunk`)."""
+        self.model.cache_frozen_trunk(enable, max_bytes)
+        return self
 
     def compile_chunks(self, enable: bool = True, **compile_options: Any) -> "TitansQwenForCausalLM":
         """Run the chunk step, LM head included, under `torch.compile(fullgraph=True, **compile_options)`, or eagerly

@@ -38,13 +38,16 @@ class StreamRequest:
     """What a stream computes besides the memory: with `lm_head`, the logits of positions >= `keep_start`, the summed
     loss of `shifted_labels` (position t predicts shifted_labels[t]; -100: no label) and, with `predict`, the greedy
     token and loss of every position, all chunk by chunk; `hidden_states` "all" (the embeddings and every layer's
-    output, the last normed), "last" (the last alone) or None."""
+    output, the last normed), "last" (the last alone) or None; `layers` (first, stop): the decoder layers it runs, its
+    input the hidden states entering layer `first` (stop None: through the last layer and the final norm; else its
+    "last" hidden states are those entering layer `stop`, not normed)."""
 
     lm_head: nn.Module | None = None
     shifted_labels: Tensor | None = None
     keep_start: int = 0
     predict: bool = False
     hidden_states: str | None = None
+    layers: tuple[int, int | None] = (0, None)
 
     def for_rows(self, rows: Tensor, skip: int, stop: int | None = None) -> StreamRequest:
         """The request for `rows` of the batch from column `skip` on (up to column `stop`)."""

@@ -318,8 +318,8 @@ class ChunkStream:
                    else self._forward_piece(*piece))
             states, current = out.states, out.previous
             if current is not None:  # the next chunk sees this one at the positions before its own
-                current.key_values = [(self._move_keys(keys, -previous.length), values)
-                                      for keys, values in current.key_values]
+                current.key_values = [None if pair is None else (self._move_keys(pair[0], -previous.length), pair[1])
+                                      for pair in current.key_values]
                 previous = current
             pieces.append(dataclasses.replace(out, states=None, previous=None))  # the loop carries those
             start = end
@@ -359,7 +359,7 @@ class ChunkStream:
             mask = None if token_mask is None else token_mask[:, start:end]
             layer_call = self._segment_layer_call(hidden, mask, geometry)
             hidden, segment_output = self._through_layers(hidden, layer_call, states, mask, 0, self._memory_enabled,
-                                                          request.hidden_states)
+                                                          request.hidden_states, request.layers)
             states = segment_output.states
             pieces.append(segment_output)
             if request.lm_head is None:
@@ -402,15 +402,20 @@ class ChunkStream:
 
     def _through_layers(self, hidden: Tensor, layer_call: Callable[[int, nn.Module], Callable[[Tensor], Tensor]],
                         states: dict[int, MemoryState], token_mask: Tensor | None, num_prefix: int,
-                        memory_enabled: bool, hidden_states: str | None) -> tuple[Tensor, StreamOutput]:
-        """Every decoder layer over `hidden` (its first `num_prefix` positions prefix tokens), each memory block around
-        its layer while the memory is on, then the final norm; `layer_call(index, decoder_layer)` is the layer as a
-        chunk or a segment calls it. Returns (the normed hidden states without the prefix, a `StreamOutput` of the
-        hidden states asked for ("all": the input and every layer's output, the last normed; "last"), the new memory
-        states and the sum of the memories' writes (`MemoryState.written`; None with the memory off))."""
+                        memory_enabled: bool, hidden_states: str | None, layers: tuple[int, int | None] = (0, None)
+                        ) -> tuple[Tensor, StreamOutput]:
+        """The decoder layers `layers` (first, stop; see `StreamRequest.layers`) over `hidden` (its first `num_prefix`
+        positions prefix tokens), each memory block around its layer while the memory is on, then the final norm when
+        they run to the last; `layer_call(index, decoder_layer)` is the layer as a chunk or a segment calls it.
+        Returns (the hidden states without the prefix, normed after the last layer, a `StreamOutput` of the hidden
+        states asked for ("all": the input and every layer's output, the last normed; "last"), the new memory states
+        and the sum of the memories' writes (`MemoryState.written`; None with the memory off))."""
         new_states, written = dict(states), []
         all_hidden = [hidden[:, num_prefix:]] if hidden_states == "all" else None
+        first, stop = layers
         for index, decoder_layer in enumerate(self.layers):
+            if index < first or (stop is not None and index >= stop):
+                continue
             layer = layer_call(index, decoder_layer)
             block = self.memory[str(index)] if memory_enabled and str(index) in self.memory else None
             if block is None:
@@ -420,11 +425,61 @@ class ChunkStream:
                 written.append(new_states[index].written)
             if all_hidden is not None:
                 all_hidden.append(hidden[:, num_prefix:])
-        hidden = self.norm(hidden[:, num_prefix:])
+        hidden = hidden[:, num_prefix:] if stop is not None else self.norm(hidden[:, num_prefix:])
         if all_hidden is not None:
             all_hidden[-1] = hidden
         kept = tuple(all_hidden) if all_hidden is not None else (hidden,) if hidden_states == "last" else None
         return hidden, StreamOutput(hidden_states=kept, states=new_states, written=sum_present(written))
+
+    # ---- the frozen trunk (`cache_frozen_trunk`) ----
+
+    def _trunk_depth(self) -> int:
+        """The decoder layers below every memory block, whose outputs no memory changes: those below the first memory
+        layer; none when tokens read from the memory or learnt with it (mac's, persistent tokens) enter the first."""
+        if hasattr(self, "persistent_tokens") or any(
+                type(block).prefix_tokens is not TitansMemoryBlock.prefix_tokens for block in self.memory.values()):
+            return 0
+        return min(int(layer) for layer in self.memory)
+
+    def _check_trunk_frozen(self, depth: int) -> None:
+        """Refuse to keep trunks whose layers train (a LoRA below the memory, freeze_base=False) or whose training
+        steps draw dropout: their outputs would change from one reading of a row to the next."""
+        below = ("embed_tokens.", *(f"layers.{index}." for index in range(depth)))
+        trainable = [name for name, parameter in self.named_parameters()
+                     if parameter.requires_grad and name.startswith(below)]
+        if trainable:
+            raise ValueError(f"cache_frozen_trunk: {trainable[0]}{f' and {len(trainable) - 1} more' if trainable[1:] else ''}"
+                             f" below the first memory layer ({depth}) train, so a row's trunk changes every step; "
+                             "freeze them or call cache_frozen_trunk(False)")
+        if self.training and self.config.text_config.attention_dropout:
+            raise ValueError(f"cache_frozen_trunk: attention_dropout={self.config.text_config.attention_dropout} draws "
+                             "new dropout at every training step, so a row's trunk is not the same twice")
+
+    def _from_trunk(self, inputs: Tensor, token_mask: Tensor | None, cache: TitansCache | None,
+                    states: dict[int, MemoryState] | None, request: StreamRequest) -> tuple[Tensor, StreamRequest]:
+        """The stream's (inputs, request): unchanged, or, with `cache_frozen_trunk` on and a stream that can start
+        above the trunk (ids, no cache, not every layer's hidden states asked for, a memory above layer 0), the
+        hidden states entering the first memory layer, kept or computed for the whole batch without gradients by the
+        same route the stream takes, and the request for the layers from there on."""
+        store = self._frozen_trunk_cache
+        if store is None or cache is not None or inputs.is_floating_point() or request.hidden_states == "all":
+            return inputs, request
+        depth = self._trunk_depth()
+        if depth == 0:
+            return inputs, request
+        self._check_trunk_frozen(depth)
+        keys = [store.row_key(inputs[row], None if token_mask is None else token_mask[row], depth)
+                for row in range(inputs.shape[0])]
+        rows = store.get(keys)
+        if rows is not None:
+            trunk = torch.stack(rows).to(inputs.device)
+        else:
+            with torch.no_grad():
+                below = self._stream(inputs, token_mask, None, states,
+                                     StreamRequest(hidden_states="last", layers=(0, depth)))
+            trunk = below.hidden_states[0]
+            store.put(keys, trunk)
+        return trunk, dataclasses.replace(request, layers=(depth, None))
 
     # ---- one chunk ----
 
@@ -517,8 +572,12 @@ class ChunkStream:
         attention_cache = cache
         if previous is not None:  # the previous chunk's keys in a cache made here, which the layers extend
             attention_cache = DynamicCache(config=self.config.text_config)
-            for index, (keys, values) in enumerate(previous.key_values):
-                attention_cache.update(keys, values, index)
+            # a layer the stream does not run (`StreamRequest.layers`) holds zeros of the previous chunk's shape:
+            # transformers sizes the attention mask from the cache's first layer
+            present = next((pair for pair in previous.key_values if pair is not None), None)
+            for index, pair in enumerate(previous.key_values):
+                attention_cache.update(*(pair or (present[0].new_zeros(present[0].shape),
+                                                  present[1].new_zeros(present[1].shape))), index)
             past = previous.length
             if mask is not None or previous.mask is not None:
                 full = hidden.new_ones(batch_size, hidden.shape[1], dtype=torch.long)
@@ -545,8 +604,10 @@ class ChunkStream:
                                     memory_enabled=memory_enabled, request=request, attention_cache=attention_cache,
                                     masks=masks, position_embeddings=position_embeddings, position_ids=position_ids))
         if previous is not None:
+            first, stop = request.layers
             out.previous = PreviousChunk(
-                [(layer.keys[:, :, past:], layer.values[:, :, past:]) for layer in attention_cache.layers],
+                [(layer.keys[:, :, past:], layer.values[:, :, past:]) if first <= index < (stop or index + 1) else None
+                 for index, layer in enumerate(attention_cache.layers)],
                 None if attention_mask is None else as_previous_chunk_mask(attention_mask[:, past:], num_prefix),
             )
         return out
@@ -565,7 +626,7 @@ class ChunkStream:
                                      cache=step.attention_cache, use_cache=step.attention_cache is not None)
 
         hidden, out = self._through_layers(step.hidden, layer_call, step.states, step.token_mask, step.num_prefix,
-                                           step.memory_enabled, step.request.hidden_states)
+                                           step.memory_enabled, step.request.hidden_states, step.request.layers)
         if step.request.lm_head is None:
             return out
         head = chunk_lm_head(step.request, hidden)
