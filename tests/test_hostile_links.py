@@ -23,7 +23,7 @@ from test_trainer import make_trainer, rows  # noqa: F401  (rows is a fixture)
 
 from titans_hf.commands import cli
 from titans_hf.commands import main as cli_main
-from titans_hf.files import atomic_write_json
+from titans_hf.files import atomic_write_json, claim_output
 from titans_hf.outputs import (
     MANIFEST_NAME,
     check_folder_output,
@@ -215,6 +215,7 @@ def test_names_of_up_to_255_bytes_are_written_and_replaced(tmp_path, tiny_tokeni
     target, temporary = tmp_path / ("a" + "é" * 127), tmp_path / "new"  # 255 bytes: the kept 200 cut an é in two
     target.write_text("old")
     temporary.write_text("new")
+    claim_output(target)  # what a command's output check does before its work
     replace_outputs([temporary], [target])
     assert target.read_text() == "new"
 

@@ -8,7 +8,7 @@ imports `titans_hf.data`, which registers the `titans_tokens` / `titans_babilong
 
 import importlib
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 from .modeling import (  # noqa: E402  (registers titans_qwen with the Auto classes)
     TitansMemoryConfig,
