@@ -17,7 +17,11 @@
    the share of the device's bf16 peak (`--peak-tflops`, default an H100/H200's 989 dense) that the model FLOPs
    (6 N per token plus attention) reach; beside them the Titans step with `compile_chunks()` (inductor;
    `--compile-backend none` leaves it out), its first call's time (the compile) in `compile_seconds`.
-6. `--compile`: the CPU demo's model at batch 1, 1024 tokens, forward, with `compile_chunks()` (inductor, CPU)
+6. `trunk`: a frozen-base training step with every layer run and from the trunk kept by `cache_frozen_trunk` (the
+   layers below the memory computed once per row), side by side: on the tiny config, or with `--base DIR` on a real
+   base such as scripts/real_base.sh's converted SmolLM2-135M-Instruct (bfloat16, 8 rows of 512 tokens, the memory
+   where the real-base recipe puts it).
+7. `--compile`: the CPU demo's model at batch 1, 1024 tokens, forward, with `compile_chunks()` (inductor, CPU)
    against the eager model (layer-major) and the eager chunk loop, and the tiny config's training step (256 tokens,
    chunks of 64) as in part 1 with the compiled step beside it: compile times (first call) and tokens/s side by side.
 
@@ -42,7 +46,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoConfig, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from titans_hf.modeling import TitansCache, TitansQwenConfig, TitansQwenForCausalLM  # noqa: E402
@@ -221,6 +225,50 @@ def bench_training(name, shape, layers, tokens, chunk_size, device, dtype, repea
         rows.append(dict(bench="train_step", config=name, model=COMPILED, tokens=tokens, chunk_size=chunk_size,
                          **compiled))
     return rows
+
+
+TRUNK_MODELS = ("every layer, each step", "from the kept trunk (cache_frozen_trunk)")
+
+
+def bench_frozen_trunk(base: str | None, rows: int, tokens: int, chunk_size: int, repeats: int) -> list[dict]:
+    """A frozen-base training step (forward + backward, batch of `rows`) with every layer run, and with the trunk
+    below the memory read from `cache_frozen_trunk` (filled by a first step), interleaved: on `base` (a local Qwen
+    folder, e.g. scripts/real_base.sh's converted SmolLM2, in bfloat16, the memory at 0.8 of its depth as the
+    real-base recipe puts it) or, without one, the tiny config (float32, the memory on its middle layer)."""
+    if base is None:
+        _, titans = build_models(TINY, None, chunk_size, torch.device("cpu"), torch.float32, freeze_base=True)
+        name, vocab = "tiny", TINY["vocab_size"]
+    else:
+        layers = AutoConfig.from_pretrained(base).num_hidden_layers
+        torch.manual_seed(0)
+        titans = TitansQwenForCausalLM.from_base(base, dtype=torch.bfloat16, chunk_size=chunk_size,
+                                                 memory_layers=[int(0.8 * layers)], memory_chunk_size=8, conv_kernel=8,
+                                                 checkpoint_chunks=False)
+        name, vocab = Path(base).name, titans.config.text_config.vocab_size
+    titans.train()
+    ids = torch.randint(0, vocab, (rows, tokens), generator=torch.Generator().manual_seed(0))
+    kept = titans.model.cache_frozen_trunk
+    kept(False)
+    every_layer = train_step(titans, ids)
+    kept(True)
+    train_step(titans, ids)()  # fills the trunk cache
+
+    def from_trunk():
+        train_step(titans, ids)()
+
+    def without_trunk():
+        kept(False)
+        try:
+            every_layer()
+        finally:
+            titans.model._frozen_trunk_cache = store
+
+    store = titans.model._frozen_trunk_cache
+    times = fastest_interleaved([without_trunk, from_trunk], torch.device("cpu"), repeats)
+    memory_layer = min(int(layer) for layer in titans.model.memory)
+    return [dict(bench="frozen_trunk", config=f"{name}, memory on layer {memory_layer}", model=label, rows=rows,
+                 tokens=tokens, chunk_size=chunk_size, tokens_per_s=rows * tokens / wall, seconds=wall,
+                 cpu_seconds=cpu) for label, (wall, cpu) in zip(TRUNK_MODELS, times)]
 
 
 def bench_chunks(chunk_size, counts, device, dtype) -> list[dict]:
@@ -410,6 +458,11 @@ def summarise(rows: list[dict], clock: str) -> dict:
             compile_cpu_seconds=compiled[label]["compile_cpu_seconds"],
             second_call_seconds=compiled[label]["second_call_seconds"],
         )
+    trunk = {r["model"]: r for r in rows if r["bench"] == "frozen_trunk"}
+    if trunk:
+        every_layer, kept = (trunk[label] for label in TRUNK_MODELS)
+        summary[f"frozen_trunk ({every_layer['config']})"] = dict(step_time_from_trunk_vs_every_layer=kept[clock]
+                                                                  / every_layer[clock])
     for checkpointed in (True, False):
         chunks = [r for r in rows if r["bench"] == "train_memory_vs_chunks" and r["checkpoint_chunks"] == checkpointed]
         if chunks:
@@ -438,7 +491,7 @@ def summarise(rows: list[dict], clock: str) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
-    columns = ["bench", "config", "model", "checkpoint_chunks", "chunks", "tokens", "chunk_size", "tokens_per_s",
+    columns = ["bench", "config", "model", "checkpoint_chunks", "chunks", "rows", "tokens", "chunk_size", "tokens_per_s",
                "seconds", "cpu_seconds", "peak_mb", "compile_seconds", "model_tflops_per_s", "percent_of_bf16_peak"]
     shown = [c for c in columns if any(c in r for r in rows)]
     fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else ("" if v is None else str(v))  # noqa: E731
@@ -463,7 +516,10 @@ def main() -> None:
                         help="--compile and --gpu: torch.compile's backend for compile_chunks() (--gpu: 'none' leaves "
                              "the compiled column out)")
     parser.add_argument("--long", action="store_true", help="full mode: the prefill at 1M prompt tokens as well")
-    parser.add_argument("--only", choices=["train", "chunks", "prefill", "demo"], nargs="*",
+    parser.add_argument("--base", default=None,
+                        help="trunk part: a local Qwen folder (e.g. outputs/real_base/base, scripts/real_base.sh's "
+                             "converted SmolLM2) for the frozen-trunk step; default the tiny config")
+    parser.add_argument("--only", choices=["train", "chunks", "prefill", "demo", "trunk"], nargs="*",
                         help="full or quick mode: only these parts")
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads (default 1: idle OpenMP threads spin, which inflates CPU time when shared)")
@@ -484,7 +540,9 @@ def main() -> None:
                                compile_backend=args.compile_backend)
     else:
         device, dtype = torch.device("cpu"), torch.float32
-        parts = set(args.only or ["train", "chunks", "prefill", "demo"])
+        parts = set(args.only or ["train", "chunks", "prefill", "demo", "trunk"])
+        if "trunk" in parts:  # 8 rows of 8 chunks of 64 tokens: a batch of the real-base recipe's longest stage
+            rows += bench_frozen_trunk(args.base, 8, 512 if not args.quick else 128, 64, repeats=3)
         if args.quick:
             if "train" in parts:
                 rows += bench_training("tiny", TINY, None, 256, 64, device, dtype, repeats=2)

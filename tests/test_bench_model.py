@@ -38,3 +38,12 @@ def test_device_run_reports_every_row_with_its_share_of_peak():
     summary = bench_model.summarise(rows, "seconds")["tiny"]
     assert summary["compiled_step_time_vs_eager"] == pytest.approx(
         by_model[bench_model.COMPILED]["seconds"] / by_model["titans mag (1 memory layer)"]["seconds"], rel=1e-12)
+
+
+def test_frozen_trunk_rows_and_their_ratio():
+    rows = bench_model.bench_frozen_trunk(None, rows=2, tokens=64, chunk_size=16, repeats=1)
+    assert [row["model"] for row in rows] == list(bench_model.TRUNK_MODELS)
+    assert all(row["config"] == "tiny, memory on layer 2" and row["tokens"] == 64 for row in rows)
+    summary = bench_model.summarise(rows, "cpu_seconds")["frozen_trunk (tiny, memory on layer 2)"]
+    assert summary["step_time_from_trunk_vs_every_layer"] == pytest.approx(
+        rows[1]["cpu_seconds"] / rows[0]["cpu_seconds"], rel=1e-12)

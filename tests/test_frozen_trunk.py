@@ -119,3 +119,32 @@ def test_the_store_keeps_the_newest_rows_within_its_bytes():
                                                                                              None, 2)
     with pytest.raises(ValueError, match="max_bytes must be a positive integer"):
         FrozenTrunkCache(max_bytes=0)
+
+
+def test_training_from_the_trunk_trains_the_same_memory(tiny_qwen3_dir, tmp_path):
+    """TitansTrainer with frozen_trunk_cache_gb: two epochs whose second reads every row's trunk end in the memory
+    weights of the run without it, bit for bit."""
+    from test_trainer import make_rows, make_trainer, trainable_weights
+
+    def trained(**overrides) -> tuple[dict, TitansQwenForCausalLM]:
+        torch.manual_seed(0)
+        model = TitansQwenForCausalLM.from_base(tiny_qwen3_dir, chunk_size=16, memory_chunk_size=8,
+                                                memory_head_dim=16, memory_layers=[1], checkpoint_chunks=False)
+        dataset = make_rows([40, 56, 33, 48], model.config.text_config.vocab_size)
+        make_trainer(tiny_qwen3_dir, tmp_path / str(len(overrides)), dataset, model=model, save_strategy="no",
+                     **overrides).train()
+        return trainable_weights(model), model
+
+    expected, _ = trained()
+    weights, model = trained(frozen_trunk_cache_gb=0.5)
+    store = model.model._frozen_trunk_cache
+    assert (store.misses, store.hits) == (4, 4) and store.max_bytes == 2**29
+    assert weights.keys() == expected.keys()
+    assert all(torch.equal(weights[name], expected[name]) for name in expected)
+
+
+def test_the_trainer_refuses_a_negative_trunk_size(tiny_qwen3_dir, tmp_path):
+    from test_trainer import make_rows, make_trainer
+
+    with pytest.raises(ValueError, match=r"frozen_trunk_cache_gb=-1 must be 0 \(off\) or positive"):
+        make_trainer(tiny_qwen3_dir, tmp_path, make_rows([40], 64), frozen_trunk_cache_gb=-1)

@@ -312,6 +312,7 @@ def test_prepare_writes_the_rows_and_flags_that_titans_hf_train_reads(tmp_path, 
     assert (training_args.per_device_train_batch_size, training_args.gradient_accumulation_steps) == (8, 1)
     assert model_args.dtype == "bfloat16"
     assert (memory_args.theta_bias_init, memory_args.write_cost, memory_args.conv_kernel) == (-2.0, 0.0, 8)
+    assert training_args.frozen_trunk_cache_gb == 4.0  # the layers below the memory computed once per row
     for split, lengths, rows in (("train", (0, 128), 4), ("eval", (128, 256), 3)):
         for length in lengths:
             written = json.loads((tmp_path / "data" / split / "qa1" / f"{length}.json").read_text(encoding="utf-8"))

@@ -188,6 +188,9 @@ def prepare(base: str, output_dir: str | Path, chunk_size: int = 64, train_chunk
         "curriculum_chunks": stages,
         "curriculum_epochs_per_stage": 1,
         "state_passing": 0.5,
+        # the base's layers below the memory computed once per row: each later epoch runs the layers from the memory
+        # up (the same losses and gradients)
+        "frozen_trunk_cache_gb": 4.0,
         "log_every_batches": 5,
         "save_strategy": "no",
         "report_to": [],

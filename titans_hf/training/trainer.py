@@ -253,6 +253,13 @@ class TitansTrainer(FiniteSteps, CompiledChunks, Trainer):
                              "titans_hf.lora.add_lora(model, LoraConfig(...)), which trains and saves both")
         if not trainable_parameter_names(model):
             raise ValueError("model has no trainable parameter: nothing for TitansTrainer to train or checkpoint")
+        if args.frozen_trunk_cache_gb < 0:
+            raise ValueError(f"frozen_trunk_cache_gb={args.frozen_trunk_cache_gb} must be 0 (off) or positive")
+        if args.frozen_trunk_cache_gb > 0:
+            if not hasattr(model, "cache_frozen_trunk"):
+                raise ValueError("frozen_trunk_cache_gb keeps the frozen trunk of a TitansQwenForCausalLM "
+                                 f"(cache_frozen_trunk); got a {type(model).__name__}")
+            model.cache_frozen_trunk(max_bytes=max(1, int(args.frozen_trunk_cache_gb * 2**30)))
         memory_config = getattr(model.config, "memory_config", None)
         completions = COMPLETION_COLUMNS[0] in (getattr(kwargs.get("train_dataset"), "column_names", None) or [])
         if data_collator is None:

@@ -100,6 +100,12 @@ class TitansTrainingArguments(TrainingArguments):
         metadata={"help": "Shares of the training steps between which the write cost's weight grows linearly from "
                           "the config's to write_cost_growth times it."},
     )
+    frozen_trunk_cache_gb: float = field(
+        default=0.0, metadata={"help": "GiB of trunk hidden states (the frozen layers below the first memory layer, per "
+                                       "row) to keep on the CPU, so that each row's later readings start at the "
+                                       "memory (TitansQwenForCausalLM.cache_frozen_trunk; the same losses and "
+                                       "gradients); 0: off."}
+    )
     dpo_beta: float = field(
         default=0.1, metadata={"help": "dpo rows: DPO's beta, how far the memory may move the answers' log-ratio "
                                        "against the memory-off model."}
