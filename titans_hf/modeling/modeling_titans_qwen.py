@@ -220,22 +220,6 @@ class TitansQwenModel(ChunkStream, TitansQwenPreTrainedModel):
         finally:
             self._layer_major_enabled = previous
 
-    def cache_frozen_trunk(self, enable: bool = True, max_bytes: int = DEFAULT_TRUNK_BYTES) -> "TitansQwenModel":
-        """Keep each row's hidden states below the first memory layer (its trunk, in a `FrozenTrunkCache` of up to
-        `max_bytes` on the CPU) and start the row's later readings there, or with `enable=False` drop them and run
-        every layer again; returns the model.
-
-        With the base frozen below the memory, those layers give a row the same hidden states every time (see
-        `frozen_trunk`): a training epoch after the first, or the memory read on, off and swapped over the same rows,
-        then costs only the layers from the memory up. The first reading of a batch computes its trunk without
-        gradients by the route the stream takes, so losses and gradients are those of the stream without it. Used
-        by forward calls on token ids without a cache that do not ask for every layer's hidden states (prefill and
-        decoding run every layer); refused at the call when a layer below the memory trains (a LoRA there,
-        freeze_base=False) or training draws attention dropout. Nothing when tokens from the memory enter the first
-        layer (mac, persistent tokens). A setting of the run: not saved."""
-        self._frozen_trunk_cache = FrozenTrunkCache(max_bytes) if enable else None
-        return self
-
     @property
     def padding_multiple(self) -> int:
         """Left padding by a multiple of this many tokens (whole chunks, whole memory updates and batches) leaves a

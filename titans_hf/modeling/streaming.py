@@ -4,7 +4,7 @@ memory block around its layer, the memory's state carried from chunk to chunk.
 `ChunkStream` holds the stream's methods; `TitansQwenModel` (`modeling_titans_qwen`) is the one class that mixes it
 in, and gives it what it reads: the base's modules (`embed_tokens`, `layers`, `norm`, `rotary_emb`), the memory
 blocks (`memory`) and persistent tokens, the config, and the switches of the run (`memory_disabled`,
-`chunk_by_chunk`, `compile_chunks`, gradient checkpointing).
+`chunk_by_chunk`, `compile_chunks`, `cache_frozen_trunk`, gradient checkpointing).
 
 `_stream` is the one entry: a dispatcher whose routes are named for when they run.
 
@@ -39,6 +39,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from .cache_titans_qwen import PhaseGroup, PreviousChunk, TitansCache, as_previous_chunk_mask
+from .frozen_trunk import DEFAULT_TRUNK_BYTES, FrozenTrunkCache
 from .memory import MemoryState
 from .outputs_titans_qwen import ChunkStepRequest, StreamOutput, StreamRequest, sum_present
 from .variants import TitansMemoryBlock
@@ -159,6 +160,22 @@ class ChunkStream:
 
             self._chunk_compiler = (compile_options, step)
         self._compiled_chunk_step = self._chunk_compiler[1] if enable else None
+        return self
+
+    def cache_frozen_trunk(self, enable: bool = True, max_bytes: int = DEFAULT_TRUNK_BYTES) -> ChunkStream:
+        """Keep each row's hidden states below the first memory layer (its trunk, in a `FrozenTrunkCache` of up to
+        `max_bytes` on the CPU) and start the row's later readings there, or with `enable=False` drop them and run
+        every layer again; returns the model.
+
+        With the base frozen below the memory, those layers give a row the same hidden states every time (see
+        `frozen_trunk`): a training epoch after the first, or the memory read on, off and swapped over the same rows,
+        then costs only the layers from the memory up. The first reading of a batch computes its trunk without
+        gradients by the route the stream takes, so losses and gradients are those of the stream without it. Used
+        by forward calls on token ids without a cache that do not ask for every layer's hidden states (prefill and
+        decoding run every layer); refused at the call when a layer below the memory trains (a LoRA there,
+        freeze_base=False) or training draws attention dropout. Nothing when tokens from the memory enter the first
+        layer (mac, persistent tokens). A setting of the run: not saved."""
+        self._frozen_trunk_cache = FrozenTrunkCache(max_bytes) if enable else None
         return self
 
     # ---- the stream: its two orders, its phase groups and row ends (see the module docstring) ----
