@@ -230,10 +230,11 @@ def bench_training(name, shape, layers, tokens, chunk_size, device, dtype, repea
 TRUNK_MODELS = ("every layer, each step", "from the kept trunk (cache_frozen_trunk)")
 
 
-def bench_frozen_trunk(base: str | None, rows: int, tokens: int, chunk_size: int, repeats: int) -> list[dict]:
+def bench_frozen_trunk(base: str | None, rows: int, tokens: int, chunk_size: int, repeats: int,
+                       base_dtype: str = "bfloat16") -> list[dict]:
     """A frozen-base training step (forward + backward, batch of `rows`) with every layer run, and with the trunk
     below the memory read from `cache_frozen_trunk` (filled by a first step), interleaved: on `base` (a local Qwen
-    folder, e.g. scripts/real_base.sh's converted SmolLM2, in bfloat16, the memory at 0.8 of its depth as the
+    folder, e.g. scripts/real_base.sh's converted SmolLM2, in `base_dtype`, the memory at 0.8 of its depth as the
     real-base recipe puts it) or, without one, the tiny config (float32, the memory on its middle layer)."""
     if base is None:
         _, titans = build_models(TINY, None, chunk_size, torch.device("cpu"), torch.float32, freeze_base=True)
@@ -241,10 +242,10 @@ def bench_frozen_trunk(base: str | None, rows: int, tokens: int, chunk_size: int
     else:
         layers = AutoConfig.from_pretrained(base).num_hidden_layers
         torch.manual_seed(0)
-        titans = TitansQwenForCausalLM.from_base(base, dtype=torch.bfloat16, chunk_size=chunk_size,
+        titans = TitansQwenForCausalLM.from_base(base, dtype=getattr(torch, base_dtype), chunk_size=chunk_size,
                                                  memory_layers=[int(0.8 * layers)], memory_chunk_size=8, conv_kernel=8,
                                                  checkpoint_chunks=False)
-        name, vocab = Path(base).name, titans.config.text_config.vocab_size
+        name, vocab = f"{Path(base).name} ({base_dtype})", titans.config.text_config.vocab_size
     titans.train()
     ids = torch.randint(0, vocab, (rows, tokens), generator=torch.Generator().manual_seed(0))
     kept = titans.model.cache_frozen_trunk
@@ -519,6 +520,9 @@ def main() -> None:
     parser.add_argument("--base", default=None,
                         help="trunk part: a local Qwen folder (e.g. outputs/real_base/base, scripts/real_base.sh's "
                              "converted SmolLM2) for the frozen-trunk step; default the tiny config")
+    parser.add_argument("--base-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="--base: the base's dtype (bfloat16, the real-base recipe's; float32 on a CPU without "
+                             "bfloat16 units, AVX512-BF16 or AMX, where bfloat16 runs emulated)")
     parser.add_argument("--only", choices=["train", "chunks", "prefill", "demo", "trunk"], nargs="*",
                         help="full or quick mode: only these parts")
     parser.add_argument("--threads", type=int, default=1,
@@ -542,7 +546,8 @@ def main() -> None:
         device, dtype = torch.device("cpu"), torch.float32
         parts = set(args.only or ["train", "chunks", "prefill", "demo", "trunk"])
         if "trunk" in parts:  # 8 rows of 8 chunks of 64 tokens: a batch of the real-base recipe's longest stage
-            rows += bench_frozen_trunk(args.base, 8, 512 if not args.quick else 128, 64, repeats=3)
+            rows += bench_frozen_trunk(args.base, 8, 512 if not args.quick else 128, 64, repeats=3,
+                                       base_dtype=args.base_dtype)
         if args.quick:
             if "train" in parts:
                 rows += bench_training("tiny", TINY, None, 256, 64, device, dtype, repeats=2)

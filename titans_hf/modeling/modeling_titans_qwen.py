@@ -758,15 +758,15 @@ class TitansQwenForCausalLM(TitansQwenPreTrainedModel, GenerationMixin):
         target = rows if new_num_tokens is None else new_num_tokens
         if pad_to_multiple_of:
             target = math.ceil(target / pad_to_multiple_of) * pad_to_multiple_of
-        memory = self.config.memory_config
-        if memory.freeze_base and target != rows:
+        memory_config = self.config.memory_config
+        if memory_config.freeze_base and target != rows:
             raise ValueError(f"resize_token_embeddings: {rows} -> {target} tokens, but the base is frozen "
                              "(freeze_base=True) and a memory folder holds the memory alone, so the changed rows could "
                              "neither train nor be saved; resize the base and save it as a new base before from_base, "
                              "or build the model with freeze_base=False to train and save the whole model")
         embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
-        self.config.memory_config = dataclasses.replace(memory, base_shape={
-            **memory.base_shape, "vocab_size": self.config.text_config.vocab_size})
+        self.config.memory_config = dataclasses.replace(memory_config, base_shape={
+            **memory_config.base_shape, "vocab_size": self.config.text_config.vocab_size})
         return embeddings
 
     def push_to_hub(self, repo_id: str, *args: Any, push_full_model: bool = False, token: str | None = None,

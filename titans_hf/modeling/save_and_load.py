@@ -155,9 +155,9 @@ def build_on_base(model_class: type, base: str | os.PathLike | PreTrainedModel,
                          f"{list(TitansMemoryConfig.setting_names())}")
     refuse_adapted_base(base)
     backbone, name = load_backbone(base, loading)
-    memory = new_memory_config(memory_config, memory_settings, name, loading.revision)
+    resolved = new_memory_config(memory_config, memory_settings, name, loading.revision)
     attention = backbone.config._attn_implementation
-    config = TitansQwenConfig(text_config=backbone.config, memory_config=memory)
+    config = TitansQwenConfig(text_config=backbone.config, memory_config=resolved)
     # building the config resets its sub-config's attention choice; keep the one the backbone was loaded with
     config._attn_implementation = attention
     config.name_or_path = name  # what TRL and PEFT read as the base's name
@@ -174,18 +174,18 @@ def memory_base(base: str | os.PathLike | PreTrainedModel | None, source: Memory
                 memory_config: TitansMemoryConfig) -> str | os.PathLike | PreTrainedModel:
     """The base a memory goes on: `base`, or (None) the one its config names, checked to be the model it was
     trained on (`recorded_base`); a local `base` other than the recorded one is used, with a warning."""
-    memory = source.name_or_path
+    memory_path = source.name_or_path
     if base is None:
         named = memory_config.base_model_name_or_path
-        if named and not Path(memory).is_dir() and (not is_hub_id(named) or Path(named).exists()):
+        if named and not Path(memory_path).is_dir() and (not is_hub_id(named) or Path(named).exists()):
             # a downloaded file never picks a path on this machine
-            raise ValueError(f"{memory}: its memory config names the base {named!r}, which is not a Hub id; pass "
+            raise ValueError(f"{memory_path}: its memory config names the base {named!r}, which is not a Hub id; pass "
                              "the base explicitly (from_base_and_memory(base, memory))")
-        return recorded_base(named, memory_config.base_fingerprint, str(memory))
+        return recorded_base(named, memory_config.base_fingerprint, str(memory_path))
     if (not isinstance(base, PreTrainedModel) and memory_config.base_fingerprint is not None
             and Path(base).is_dir() and base_fingerprint(base) != memory_config.base_fingerprint):
         logger.warning("%s: the base %s is not the model the memory was trained on (%s; base_fingerprint "
-                       "differs); using it as asked", memory, base, memory_config.base_model_name_or_path)
+                       "differs); using it as asked", memory_path, base, memory_config.base_model_name_or_path)
     return base
 
 
