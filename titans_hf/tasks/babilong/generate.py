@@ -593,6 +593,28 @@ def generate_babilong(
     return [row for batch in batches for row in batch]
 
 
+def checked_row_indices(num_samples: int, row_indices: Sequence[int] | None) -> list[int]:
+    """The rows a generator writes: `row_indices`, or all `num_samples`; one outside the set is a ValueError."""
+    indices = list(range(num_samples)) if row_indices is None else list(row_indices)
+    bad = [i for i in indices if not 0 <= i < num_samples]
+    if bad:
+        raise ValueError(f"row_indices {bad[:5]} lie outside the {num_samples}-row set")
+    return indices
+
+
+def haystack_sentence_pool(generator: str, haystack_files: str | Path | Sequence[str | Path] | None,
+                           haystack_dataset: HaystackDataset | None, num_samples: int, length: int, seed: int,
+                           expected_digests: list[list[str]] | None = None) -> tuple[list[str], bool]:
+    """(sentences, contiguous) a generator's rows draw their haystack from: the user's prose read in order
+    (`read_haystack_sentences`, refused unless its digests are `expected_digests` when given; an empty path is
+    refused there), or built-in prose drawn at random, seeded by `generator`'s name and `seed`: enough distinct
+    sentences that a row rarely repeats one, capped to keep start-up short."""
+    if haystack_files or haystack_files == "" or haystack_dataset is not None:
+        return read_haystack_sentences(haystack_files, haystack_dataset, expected_digests)[0], True
+    pool_random = random.Random(f"{generator}:pool:{seed}")
+    return [distractor_sentence(pool_random) for _ in range(min(8192, max(512, num_samples * length // 12)))], False
+
+
 def iter_babilong_batches(
     task: str,
     num_samples: int,
@@ -619,20 +641,9 @@ def iter_babilong_batches(
         raise ValueError(f"num_samples={num_samples} must be at least 1")
     if length < 0:
         raise ValueError(f"length={length} must be >= 0 (0 = facts only)")
-    indices = list(range(num_samples)) if row_indices is None else list(row_indices)
-    bad = [i for i in indices if not 0 <= i < num_samples]
-    if bad:
-        raise ValueError(f"row_indices {bad[:5]} lie outside the {num_samples}-row set")
-
-    if haystack_files or haystack_files == "" or haystack_dataset is not None:
-        sentences, _ = read_haystack_sentences(haystack_files, haystack_dataset, expected_haystack_digests)
-        contiguous = True
-    else:
-        # Enough distinct sentences that a row rarely repeats one, capped to keep start-up short.
-        pool_size = min(8192, max(512, num_samples * length // 12))
-        pool_random = random.Random(f"titans_babilong:pool:{seed}")
-        sentences = [distractor_sentence(pool_random) for _ in range(pool_size)]
-        contiguous = False
+    indices = checked_row_indices(num_samples, row_indices)
+    sentences, contiguous = haystack_sentence_pool("titans_babilong", haystack_files, haystack_dataset, num_samples,
+                                                   length, seed, expected_haystack_digests)
     counts = token_counts(tokenizer, sentences) if length > 0 else []
     all_facts = _all_facts(task)
     fact_counts = dict(zip(all_facts, token_counts(tokenizer, all_facts)))

@@ -27,9 +27,9 @@ from pathlib import Path
 
 from titans_hf.tasks.babilong.generate import (
     HaystackDataset,
-    distractor_sentence,
+    checked_row_indices,
     draw_haystack,
-    read_haystack_sentences,
+    haystack_sentence_pool,
     split_sentences,
     token_counts,
 )
@@ -84,16 +84,13 @@ def _needles(task: str, rng: random.Random) -> tuple[str, list[str], str, str]:
 
 def _haystack_sentences(haystack_files, haystack_dataset, filler: bool, num_samples: int, length: int,
                         seed: int, expected_digests: list[list[str]] | None = None) -> tuple[list[str], bool]:
-    """(sentences, contiguous): the user's prose read in order (refused unless its digests are `expected_digests`,
-    when given), LongLoRA's filler, or built-in prose drawn at random."""
+    """(sentences, contiguous): LongLoRA's filler, or `haystack_sentence_pool`'s (the user's prose or built-in)."""
     if filler:
         if haystack_files is not None or haystack_dataset is not None:
             raise ValueError("filler=True is LongLoRA's repeated filler sentence: it takes no haystack files or dataset")
         return split_sentences(FILLER), True
-    if haystack_files is not None or haystack_dataset is not None:
-        return read_haystack_sentences(haystack_files, haystack_dataset, expected_digests)[0], True
-    pool_random = random.Random(f"titans_needle:pool:{seed}")
-    return [distractor_sentence(pool_random) for _ in range(min(8192, max(512, num_samples * length // 12)))], False
+    return haystack_sentence_pool("titans_needle", haystack_files, haystack_dataset, num_samples, length, seed,
+                                  expected_digests)
 
 
 def _join(intro: str, haystack: list[str], needles: list[str], gaps: list[int], task: str) -> str:
@@ -151,10 +148,7 @@ def iter_needle_batches(
         raise ValueError("generate_needle needs a fast (Rust) tokenizer to count tokens quickly")
     if num_samples < 1 or length < 1:
         raise ValueError(f"num_samples={num_samples} and length={length} must be at least 1")
-    indices = list(range(num_samples)) if row_indices is None else list(row_indices)
-    bad = [i for i in indices if not 0 <= i < num_samples]
-    if bad:
-        raise ValueError(f"row_indices {bad[:5]} lie outside the {num_samples}-row set")
+    indices = checked_row_indices(num_samples, row_indices)
     sentences, contiguous = _haystack_sentences(haystack_files, haystack_dataset, filler, num_samples, length, seed,
                                                 expected_haystack_digests)
     counts = token_counts(tokenizer, sentences)
