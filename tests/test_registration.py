@@ -38,16 +38,7 @@ def test_importing_the_model_runs_the_package_import_and_installs_no_import_hook
                                                 "auto_config": "titans_qwen", "hooks": 0}
 
 
-@pytest.mark.parametrize("imports", ["import titans_hf", "import titans_hf\nimport datasets",
-                                     "import datasets\nimport titans_hf", "import titans_hf.data"])
-def test_importing_titans_hf_or_its_data_code_registers_the_builders(imports):
-    assert run(imports) == {"datasets_imported": True, "registered": ["titans_babilong", "titans_needle", "titans_tokens"],
-                            "auto_config": "titans_qwen", "hooks": 0}
-
-
-LOAD = """
-import sys
-{imports}
+LOAD = CHECK + """
 from datasets import load_dataset
 rows = load_dataset("titans_babilong", task="qa1", length=150, num_samples=4, seed=3, tokenizer=sys.argv[1],
                     max_length=224, answer_reserve_tokens=8, cache_dir=sys.argv[2])
@@ -56,19 +47,26 @@ print(sum(split.num_rows for split in rows.values()))
 
 
 @pytest.mark.parametrize("imports", [
-    "import titans_hf\nfrom transformers import Trainer",  # the Trainer probes for datasets before its import
+    "import titans_hf",
+    "import titans_hf.data",
     "import datasets\nimport titans_hf",
+    "import titans_hf\nfrom transformers import Trainer",  # the Trainer probes for datasets before its import
     "from transformers import Trainer\nimport titans_hf",
     "import titans_hf.modeling\nfrom transformers import Trainer\nimport titans_hf",
 ])
-def test_load_dataset_finds_the_builders_in_a_fresh_process_whatever_the_import_order(imports, tiny_tokenizer_dir,
-                                                                                      tmp_path):
-    """A fresh interpreter, offline: `load_dataset("titans_babilong", ...)` generates its rows by name, however
-    titans_hf, transformers' Trainer and datasets were imported before it."""
+def test_the_builders_are_registered_and_found_by_name_whatever_the_import_order(imports, tiny_tokenizer_dir,
+                                                                                 tmp_path):
+    """A fresh interpreter, offline: after the imports the builders are registered with no import hook, and
+    `load_dataset("titans_babilong", ...)` generates its rows by name, however titans_hf, transformers' Trainer and
+    datasets were imported before it."""
     result = subprocess.run([sys.executable, "-c", LOAD.format(imports=imports), str(tiny_tokenizer_dir),
                              str(tmp_path / "cache")], capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.splitlines()[-1] == "4"
+    state, rows = result.stdout.splitlines()[-2:]
+    assert json.loads(state) == {"datasets_imported": True,
+                                 "registered": ["titans_babilong", "titans_needle", "titans_tokens"],
+                                 "auto_config": "titans_qwen", "hooks": 0}
+    assert rows == "4"
 
 
 def test_moved_datasets_internals_fail_loudly(monkeypatch):
