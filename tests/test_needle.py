@@ -84,7 +84,7 @@ def test_the_needle_position_and_the_labels(tokenizer, haystack, tiny_tokenizer_
     assert first["input_ids"][: first["prompt_length"]] == ids and first["needle_position"] == 99
     labelled = [index for index, label in enumerate(first["labels"]) if label != -100]
     assert labelled == list(range(len(ids), len(ids) + len(labelled)))
-    assert tokenizer.decode([first["labels"][i] for i in labelled]) == " 96110"
+    assert tokenizer.decode([first["labels"][i] for i in labelled]) == " 96110."  # the key and the period ending it
     # cut to fit: the haystack before the question goes first, and the key with it when it lay there
     short = load_dataset("titans_needle", task="passkey", length=200, num_samples=4, seed=0, haystack_files=haystack,
                          tokenizer=str(tiny_tokenizer_dir), max_length=180, answer_reserve_tokens=8, train_ratio=None,

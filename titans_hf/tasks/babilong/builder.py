@@ -253,6 +253,7 @@ class TitansBabilong(datasets.ArrowBasedBuilder):
     FEATURES = FEATURES
     GENERATED_TASKS: tuple[str, ...] = GENERATED_TASKS
     PROMPT_TEMPLATE = PROMPT_TEMPLATE
+    ANSWER_END = ""  # text labelled after the target (build_example's answer_end)
     DESCRIPTION = "BABILong question answering in a long haystack, tokenised for titans_hf"
 
     def _info(self) -> datasets.DatasetInfo:
@@ -362,7 +363,7 @@ class TitansBabilong(datasets.ArrowBasedBuilder):
         try:
             return build_example(row, tokenizer, config.max_length, config.answer_reserve_tokens,
                                  config.pad_to_max_length, truncate_answers=config.truncate_answers,
-                                 prompt_template=self.PROMPT_TEMPLATE)
+                                 prompt_template=self.PROMPT_TEMPLATE, answer_end=self.ANSWER_END)
         except ValueError as error:
             raise ValueError(f"{row['source']}: {error}") from error
 

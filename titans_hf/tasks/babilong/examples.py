@@ -19,8 +19,10 @@ def build_example(
     pad_to_max_length: bool = True,
     truncate_answers: bool = False,
     prompt_template: str = PROMPT_TEMPLATE,
+    answer_end: str = "",
 ) -> dict[str, Any]:
-    """Tokenise one row for training: prompt, then the answer as the only labelled tokens.
+    """Tokenise one row for training: prompt, then the answer (`" {target}{answer_end}"`) as the only labelled
+    tokens.
 
     The prompt is ``prompt_template`` filled with the row's ``input`` and ``question`` (BABILong's by default; a
     task of its own words, as the needle's passkey prompt, passes its own, with ``{input}`` first).
@@ -61,7 +63,7 @@ def build_example(
         )
     if tail_start - num_prefix > keep:
         ids = ids[:num_prefix] + ids[tail_start - keep : tail_start] + ids[tail_start:]
-    answer_ids = backend.encode(" " + row["target"], add_special_tokens=False).ids
+    answer_ids = backend.encode(" " + row["target"] + answer_end, add_special_tokens=False).ids
     room = max_length - len(ids)
     if len(answer_ids) > room and not truncate_answers:
         raise ValueError(

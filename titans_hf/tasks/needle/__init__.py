@@ -1,9 +1,9 @@
 """The needle in a haystack: a key hidden at a seeded depth of long prose, asked at the end. The passkey prompt of the
 Landmark-attention and LongLoRA papers, word for word, and RULER's multi-key variant (4-8 keys, one asked).
 
-`generate` writes rows offline, `builder` is the `titans_needle` builder (training examples, loss on the key only,
-assembled by BABILong's code), `scoring` finds the key in a prompt and scores an answer, `evaluation` measures exact
-match with the memory on, off and swapped with another row's (see docs/needle.md).
+`generate` writes rows offline, `builder` is the `titans_needle` builder (training examples, loss on the key and the
+period ending it, assembled by BABILong's code), `scoring` finds the key in a prompt and scores an answer,
+`evaluation` measures exact match with the memory on, off and swapped with another row's (see docs/needle.md).
 """
 
 from .generate import (

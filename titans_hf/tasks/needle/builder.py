@@ -1,5 +1,5 @@
 """``titans_needle``: passkey and multi-key rows (generated offline, or another harness's JSON) as tokenised
-training examples, loss on the key only.
+training examples, loss on the key and the period that ends it.
 
 Usage, once ``titans_hf`` is imported (it registers the builder)::
 
@@ -51,6 +51,9 @@ class TitansNeedle(TitansBabilong):
     FEATURES = NEEDLE_FEATURES
     GENERATED_TASKS = NEEDLE_TASKS
     PROMPT_TEMPLATE = PROMPT_TEMPLATE
+    # the key is labelled with the period that ends it in the needle ("The pass key is 68231."): a model trained on
+    # the key alone learns to go on with digits after it, and greedy scoring reads " 6823133" as a wrong key
+    ANSWER_END = "."
     DESCRIPTION = "A key hidden in a long haystack (passkey, RULER's multi-key), tokenised for titans_hf"
 
     def _generated_batches(self, tokenizer, indices: list[int]) -> Iterator[list[dict]]:
