@@ -146,7 +146,9 @@ def test_a_config_file_from_before_the_first_release_is_refused_naming_it(tmp_pa
                                     r"variant='mag'"),
     (dict(variant="memory-as-gate"), r"variant='memory-as-gate' must be one of \['mac', 'mag', 'mal'\]"),
     (dict(memory_model="lstm"), r"memory_model='lstm' must be one of \['mlp'\]"),
-    (dict(conv_init="mean"), r"conv_init='mean' must be one of \['identity', 'window'\]"),
+    (dict(conv_init="mean"), r"conv_init='mean' must be one of \['identity', 'shifted', 'window'\]"),
+    (dict(conv_init="shifted", conv_kernel=1),
+     r"conv_init='shifted' keys the tokens before their own: it needs conv_kernel >= 2, got 1"),
 ])
 def test_the_limits_of_each_rule_and_variant_are_the_memory_configs_own(tmp_path, settings, message):
     """TitansMemoryConfig checks every setting once, the update rules' and the variants' limits included (they were

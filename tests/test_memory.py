@@ -440,6 +440,25 @@ def test_window_conv_init_averages_query_and_key_taps_and_keeps_values_identity(
     assert torch.equal(identity, identity_taps.repeat(3, 1))
 
 
+def test_shifted_conv_init_keys_the_tokens_before_and_reads_back_the_token_that_followed():
+    heads, dim, kernel = 2, 4, 6
+    inner = heads * dim
+    shifted = NeuralMemory(8, heads, dim, memory_depth=1, conv_kernel=kernel, conv_init="shifted").conv_weight.detach()
+    # taps run oldest to newest (the last is the token itself): queries the 5 newest, keys the 5 before the token
+    assert torch.equal(shifted[:inner], torch.tensor([[0.0] + [0.2] * 5]).expand(inner, kernel))
+    assert torch.equal(shifted[inner : 2 * inner], torch.tensor([[0.2] * 5 + [0.0]]).expand(inner, kernel))
+    assert torch.equal(shifted[2 * inner :], torch.tensor([[0.0] * 5 + [1.0]]).expand(inner, kernel))
+    # so the key of token t is the query of token t - 1: a read after a context returns the token that followed it
+    memory = NeuralMemory(8, heads, dim, memory_depth=1, conv_kernel=kernel, conv_init="shifted")
+    tokens = 12
+    with torch.no_grad():
+        memory.to_qkv.weight[inner : 2 * inner] = memory.to_qkv.weight[:inner]  # one projection for queries and keys
+        query, key, value, *_ = memory.token_inputs(torch.randn(1, tokens, 8), memory.init_state(1).conv_tail, None,
+                                                    torch.ones(1, tokens))
+    torch.testing.assert_close(key[:, :, 1:], query[:, :, :-1])
+    assert not torch.allclose(key, query)
+
+
 # ---- the memory-model seam: models with only a forward, registered by name ----
 
 
@@ -716,7 +735,7 @@ def test_the_reference_runs_each_rules_own_chunk_step(monkeypatch):
     (dict(memory_expansion=0), r"memory_expansion=0 must be an integer >= 1"),
     (dict(conv_kernel=0), r"conv_kernel=0 must be an integer >= 1"),
     (dict(memory_chunk_size=0), r"memory_chunk_size=0 must be an integer >= 1"),
-    (dict(conv_init="mean"), r"conv_init='mean' must be one of \['identity', 'window'\]"),
+    (dict(conv_init="mean"), r"conv_init='mean' must be one of \['identity', 'shifted', 'window'\]"),
     (dict(max_lr=0.0), r"max_lr=0.0 must be > 0"),
     (dict(max_lr=-0.1, update_rule="gradient"), r"max_lr=-0.1 must be > 0"),
 ])

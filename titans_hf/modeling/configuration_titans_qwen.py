@@ -30,7 +30,7 @@ SUPPORTED_BASE_MODEL_TYPES = ("qwen2", "qwen3")
 # UPDATE_RULES, which holds each rule's defaults and limits (update_rules.py): those of ops.UPDATE_OPS.
 VARIANTS = ("mag", "mal", "mac")  # variants.MEMORY_VARIANTS
 MEMORY_MODEL_NAMES = ("mlp",)  # memory.MEMORY_MODELS
-CONV_INITS = ("identity", "window")  # NeuralMemory.reset_parameters
+CONV_INITS = ("identity", "window", "shifted")  # NeuralMemory.reset_parameters
 # The format of a saved memory config. A file of this format holds every field (to_dict writes them all), and one that
 # lacks a field is refused; a file without `format_version` was written before titans_hf's first release (0.3.0) and is
 # refused. A new field means a new format number: files of the older formats then get, when they lack it, the value
@@ -75,7 +75,9 @@ class TitansMemoryConfig:
         conv_kernel (`int`, *optional*, defaults to 4):
             Causal depthwise convolution over queries, keys and values, in tokens.
         conv_init (`str`, *optional*, defaults to `"window"`):
-            Start of the query / key convolution: "window" (the mean over its taps) or "identity".
+            Start of the query / key convolution: "window" (the mean over its taps), "shifted" (keys the mean of the
+            `conv_kernel` - 1 tokens before their own, queries of those up to their own: a read returns the token
+            that followed the same context; needs `conv_kernel` >= 2) or "identity".
         memory_chunk_size (`int`, *optional*, defaults to 64):
             Tokens per memory update chunk: a token reads the weights its chunk started with.
         memory_batch_size (`int`, *optional*, defaults to `None`):
@@ -145,7 +147,9 @@ class TitansMemoryConfig:
         "help": "Causal depthwise convolution over q/k/v, in tokens; one wide enough to span a fact sentence "
                 "helps recall."})
     conv_init: str = field(default="window", metadata={
-        "help": "Start of the q/k convolution: window (mean over its taps) or identity (the plain projection)."})
+        "help": "Start of the q/k convolution: window (mean over its taps), shifted (keys: the mean of the tokens "
+                "before their own; queries: of those up to their own; a read returns what followed the same context) "
+                "or identity (the plain projection)."})
     memory_chunk_size: int = field(default=64, metadata={
         "help": "Tokens per update chunk: a token reads the weights its chunk started with (with the delta rule "
                 "every token still takes its own step)."})
@@ -240,12 +244,15 @@ class TitansMemoryConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
 
     def _check_choices(self) -> None:
-        """Each name one its registry holds (an unknown update rule is refused here, named); the memory batch whole
-        update chunks."""
+        """Each name one its registry holds (an unknown update rule is refused here, named), a convolution the shifted
+        start fits in; the memory batch whole update chunks."""
         for name, choices in (("variant", VARIANTS), ("memory_model", MEMORY_MODEL_NAMES), ("conv_init", CONV_INITS),
                               ("update_rule", UPDATE_RULES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {sorted(choices)}")
+        if self.conv_init == "shifted" and self.conv_kernel < 2:
+            raise ValueError(f"conv_init='shifted' keys the tokens before their own: it needs conv_kernel >= 2, got "
+                             f"{self.conv_kernel}")
         if self.memory_batch_size is not None and self.memory_batch_size % self.memory_chunk_size:
             raise ValueError(f"memory_batch_size={self.memory_batch_size!r} must be a multiple of memory_chunk_size "
                              f"({self.memory_chunk_size}) and at least it: the point where inner gradients are taken "

@@ -454,10 +454,19 @@ class NeuralMemory(nn.Module):
         with torch.no_grad():
             # identity: q, k, v start as the plain projections, the other taps are learned. window: q and k start
             # as the mean over the kernel, so a key holds a few neighbouring tokens together from the first step.
+            # shifted: a key starts as the mean of the kernel - 1 tokens before its own, a query as the mean of the
+            # kernel - 1 tokens up to its own, so a read returns the value (the token) that followed the same
+            # context when it was written: the next token of a copied span (a passkey's digits).
             self.conv_weight.zero_()
             self.conv_weight[:, -1] = 1.0
+            inner, kernel = self.memory_num_heads * self.memory_head_dim, self.conv_kernel
             if self.conv_init == "window":
-                self.conv_weight[: 2 * self.memory_num_heads * self.memory_head_dim] = 1.0 / self.conv_kernel
+                self.conv_weight[: 2 * inner] = 1.0 / kernel
+            elif self.conv_init == "shifted":
+                self.conv_weight[:inner] = 0.0
+                self.conv_weight[:inner, 1:] = 1.0 / (kernel - 1)
+                self.conv_weight[inner : 2 * inner] = 0.0
+                self.conv_weight[inner : 2 * inner, :-1] = 1.0 / (kernel - 1)
             nn.init.normal_(self.to_gates.weight, std=self.hidden_size**-0.5)
             bias = self.to_gates.bias.view(3, self.memory_num_heads)
             for row, value in zip(bias, self.bias_init):
