@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from datasets import load_dataset
 from transformers import AutoTokenizer
 
@@ -17,7 +18,7 @@ from titans_hf.tasks.babilong import generate as babilong_generate
 from titans_hf.tasks.babilong.evaluation import prompt_ids
 from titans_hf.tasks.evaluation import answer_batches, generate_answers, greedy_generation_config
 from titans_hf.tasks.needle import PROMPT_TEMPLATE, generate_needle, needle_token, score_key
-from titans_hf.tasks.needle.evaluation import swap_partners, swapped_answers
+from titans_hf.tasks.needle.evaluation import _decode, _prefill, memory_and_swapped_answers, swap_partners
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -119,15 +120,32 @@ def _memory_model(base_dir):
     return TitansQwenForCausalLM.from_base(base_dir, chunk_size=64, memory_head_dim=16, memory_chunk_size=8)
 
 
-def test_swapping_a_row_with_its_own_memory_answers_as_the_memory_does(tiny_qwen3_dir, tokenizer, haystack):
+def test_one_stream_a_row_answers_with_its_own_memory_and_with_anothers(tiny_qwen3_dir, tokenizer, haystack):
     model = _memory_model(tiny_qwen3_dir).eval()
+    with torch.no_grad():  # a memory that writes and is read enough for another row's to change the answers
+        for block in model.model.memory.values():
+            block.output_weight.normal_(std=4.0, generator=torch.Generator().manual_seed(0))
+            block.neural_memory.to_gates.bias[: block.neural_memory.memory_num_heads] = 4.0
     rows = generate_needle("passkey", 3, 200, tokenizer, seed=0, haystack_files=haystack)
     prompts = [prompt_ids(row, tokenizer, PROMPT_TEMPLATE) for row in rows]
     questions = [needle_token(row, tokenizer).question for row in rows]
     config = greedy_generation_config(model, tokenizer, 4)
-    with_memory = generate_answers(model, tokenizer, prompts, answer_batches(prompts, 1, None), config,
-                                   progress=type("Quiet", (), {"update": lambda self, n: None})())
-    assert swapped_answers(model, tokenizer, prompts, questions, [0, 1, 2], 4) == with_memory
+    quiet = type("Quiet", (), {"update": lambda self, n: None})()
+    with_memory = generate_answers(model, tokenizer, prompts, answer_batches(prompts, 1, None), config, quiet)
+    assert memory_and_swapped_answers(model, tokenizer, prompts, questions, [0, 1, 2], 4) == (with_memory,
+                                                                                             with_memory)
+    # read with the row before's memory: as two separate streams give it (row i's to its question, with the
+    # fast weights and momentum of row i - 1's at its own)
+    stop = {config.eos_token_id}
+    expected = []
+    for index, partner in enumerate(swap_partners(3)):
+        cache = _prefill(model, prompts[index][: questions[index]])
+        other = _prefill(model, prompts[partner][: questions[partner]]).memory_states
+        cache.memory_states = {layer: state.with_rows_from(other[layer], torch.ones(1, dtype=torch.bool))
+                               for layer, state in cache.memory_states.items()}
+        expected.append(_decode(model, tokenizer, cache, prompts[index][questions[index]:], 4, stop))
+    own, swapped = memory_and_swapped_answers(model, tokenizer, prompts, questions, swap_partners(3), 4)
+    assert own == with_memory and swapped == expected and swapped != with_memory
 
 
 def test_eval_command_scores_passkey_rows_with_memory_off_and_swapped(tiny_qwen3_dir, tmp_path, haystack, capsys):

@@ -1,6 +1,6 @@
 """What every task's evaluation shares: rows of a (task, length) cell read from files or given, greedy answers in
 batches that answer as each row alone, with the memory on, off (`memory_disabled()`, the same weights) and, for a
-task that asks for it, read with another row's memory (`swapped_answers`); accuracy by distance in chunks; and the
+task that asks for it, read with another row's memory (the needle's `memory_and_swapped_answers`); accuracy by distance in chunks; and the
 outputs, results.json beside the heatmap, the accuracy-by-distance plot and predictions.jsonl, written so that a
 results.json only ever stands beside the files of its own run.
 

@@ -2,16 +2,17 @@
 read with another row's memory (the memory-swap ablation), which must fall to the floor if the memory carries this
 row's key and not a knack for the task.
 
-The swap: row i's prompt streams as it does with the memory on up to the question; there its memory's fast weights
-and momentum become those row `swap_partners(n)[i]` (the row before it) holds at its own question
-(`MemoryState.with_rows_from`: the convolution's last inputs, the unfinished update chunk and the position stay row
-i's), and the question and the answer are read from there. Attention sees row i's own tokens throughout, so a key
+The swap: row i's prompt streams as it does with the memory on up to the question (once: a copy of that stream
+answers with the memory on); there its memory's fast weights and momentum become those row `swap_partners(n)[i]`
+(the row before it) holds at its own question (`MemoryState.with_rows_from`: the convolution's last inputs, the
+unfinished update chunk and the position stay row i's), and the question and the answer are read from there. Attention sees row i's own tokens throughout, so a key
 still in attention's view (0 or 1 chunks back with `attend_previous_chunk`) is answered without the memory; the
 cells report the rows beyond attention's view apart (`beyond_attention`).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -72,27 +73,38 @@ def _decode(model, tokenizer, cache, question: Sequence[int], max_new_tokens: in
     return tokenizer.decode(answer, skip_special_tokens=True)
 
 
-def swapped_answers(model, tokenizer, prompts: Sequence[list[int]], questions: Sequence[int], partners: Sequence[int],
-                    max_new_tokens: int, progress=None) -> list[str]:
-    """Greedy answers of `prompts`, row i read up to `questions[i]` (the question's first token) with its own
-    memory, then with the fast weights and momentum row `partners[i]` holds at its own question. Each context
-    streams twice: once for the memory state at its question (kept: small), once to be answered."""
+def memory_and_swapped_answers(model, tokenizer, prompts: Sequence[list[int]], questions: Sequence[int],
+                               partners: Sequence[int], max_new_tokens: int, progress=None
+                               ) -> tuple[list[str], list[str]]:
+    """Greedy answers of `prompts` with the memory on, and read with another row's memory: row i streams up to
+    `questions[i]` (the question's first token) once; from a copy of that stream its question is answered with its
+    own memory, and from the stream itself with the fast weights and momentum row `partners[i]` holds at its own
+    question. Rows go in order; a stream waits only while its partner's is still to come (the first row, whose
+    partner is the last)."""
     eos = greedy_generation_config(model, tokenizer, max_new_tokens).eos_token_id
     stop = set(eos if isinstance(eos, list) else [eos]) - {None}
-    at_question = {}
-    for index, prompt in enumerate(prompts):
-        at_question[index] = {layer: state.detach() for layer, state in
-                              _prefill(model, prompt[: questions[index]]).memory_states.items()}
-    answers = []
-    for index, prompt in enumerate(prompts):
-        cache = _prefill(model, prompt[: questions[index]])
-        every_row = torch.ones(1, dtype=torch.bool, device=model.device)
+    every_row = torch.ones(1, dtype=torch.bool, device=model.device)
+    at_question: dict[int, dict] = {}
+    waiting: dict[int, Any] = {}
+    own, swapped = [""] * len(prompts), [""] * len(prompts)
+
+    def answer_swapped(index: int, cache) -> None:
         cache.memory_states = {layer: state.with_rows_from(at_question[partners[index]][layer], every_row)
                                for layer, state in cache.memory_states.items()}
-        answers.append(_decode(model, tokenizer, cache, prompt[questions[index]:], max_new_tokens, stop))
+        swapped[index] = _decode(model, tokenizer, cache, prompts[index][questions[index]:], max_new_tokens, stop)
         if progress is not None:
             progress.update(1)
-    return answers
+
+    for index, prompt in enumerate(prompts):
+        cache = _prefill(model, prompt[: questions[index]])
+        at_question[index] = {layer: state.detach() for layer, state in cache.memory_states.items()}
+        own[index] = _decode(model, tokenizer, copy.deepcopy(cache), prompt[questions[index]:], max_new_tokens, stop)
+        if progress is not None:
+            progress.update(1)
+        waiting[index] = cache
+        for ready in [row for row in waiting if partners[row] in at_question]:
+            answer_swapped(ready, waiting.pop(ready))
+    return own, swapped
 
 
 def _cell_rows(prompts: Sequence[list[int]], places: Sequence[NeedlePlace], chunk_size: int | None, view: int
@@ -138,13 +150,16 @@ def _answer_cell(model, tokenizer, prompts, places, modes, batch_size, padding_m
     """The greedy answers of one cell's prompts in each mode."""
     config = greedy_generation_config(model, tokenizer, max_new_tokens)
     batches = answer_batches(prompts, batch_size, padding_multiple)
-    answers = {"memory": generate_answers(model, tokenizer, prompts, batches, config, progress)}
+    answers = {}
+    if "memory_swap" in modes:  # each row's stream up to its question serves its own answer and the swapped one
+        answers["memory"], answers["memory_swap"] = memory_and_swapped_answers(
+            model, tokenizer, prompts, [place.question for place in places], swap_partners(len(prompts)),
+            max_new_tokens, progress)
+    else:
+        answers["memory"] = generate_answers(model, tokenizer, prompts, batches, config, progress)
     if "no_memory" in modes:
         with model.memory_disabled():
             answers["no_memory"] = generate_answers(model, tokenizer, prompts, batches, config, progress)
-    if "memory_swap" in modes:
-        answers["memory_swap"] = swapped_answers(model, tokenizer, prompts, [place.question for place in places],
-                                                 swap_partners(len(prompts)), max_new_tokens, progress)
     return answers
 
 
