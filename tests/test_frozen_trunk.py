@@ -7,6 +7,7 @@ import torch
 
 from titans_hf.modeling import TitansQwenForCausalLM
 from titans_hf.modeling.frozen_trunk import FrozenTrunkCache
+from titans_hf.training import TitansTrainingArguments
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -143,8 +144,7 @@ def test_training_from_the_trunk_trains_the_same_memory(tiny_qwen3_dir, tmp_path
     assert all(torch.equal(weights[name], expected[name]) for name in expected)
 
 
-def test_the_trainer_refuses_a_negative_trunk_size(tiny_qwen3_dir, tmp_path):
-    from test_trainer import make_rows, make_trainer
-
-    with pytest.raises(ValueError, match=r"frozen_trunk_cache_gb=-1 must be 0 \(off\) or positive"):
-        make_trainer(tiny_qwen3_dir, tmp_path, make_rows([40], 64), frozen_trunk_cache_gb=-1)
+def test_the_arguments_refuse_a_negative_trunk_size(tmp_path):
+    for size in (-1, float("nan")):
+        with pytest.raises(ValueError, match=r"frozen_trunk_cache_gb=(-1|nan) must be 0 \(off\) or positive"):
+            TitansTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], frozen_trunk_cache_gb=size)

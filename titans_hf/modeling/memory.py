@@ -463,9 +463,8 @@ class NeuralMemory(nn.Module):
             if self.conv_init == "window":
                 self.conv_weight[: 2 * inner] = 1.0 / kernel
             elif self.conv_init == "shifted":
-                self.conv_weight[:inner] = 0.0
+                self.conv_weight[: 2 * inner] = 0.0
                 self.conv_weight[:inner, 1:] = 1.0 / (kernel - 1)
-                self.conv_weight[inner : 2 * inner] = 0.0
                 self.conv_weight[inner : 2 * inner, :-1] = 1.0 / (kernel - 1)
             nn.init.normal_(self.to_gates.weight, std=self.hidden_size**-0.5)
             bias = self.to_gates.bias.view(3, self.memory_num_heads)

@@ -253,8 +253,6 @@ class TitansTrainer(FiniteSteps, CompiledChunks, Trainer):
                              "titans_hf.lora.add_lora(model, LoraConfig(...)), which trains and saves both")
         if not trainable_parameter_names(model):
             raise ValueError("model has no trainable parameter: nothing for TitansTrainer to train or checkpoint")
-        if args.frozen_trunk_cache_gb < 0:
-            raise ValueError(f"frozen_trunk_cache_gb={args.frozen_trunk_cache_gb} must be 0 (off) or positive")
         if args.frozen_trunk_cache_gb > 0:
             if not hasattr(model, "cache_frozen_trunk"):
                 raise ValueError("frozen_trunk_cache_gb keeps the frozen trunk of a TitansQwenForCausalLM "

@@ -142,6 +142,8 @@ class TitansTrainingArguments(TrainingArguments):
         if len(span) != 2 or not 0.0 <= span[0] <= span[1] <= 1.0:
             raise ValueError("write_cost_growth_span must be two shares of the training steps, 0 <= start <= end <= 1, "
                              f"got {self.write_cost_growth_span}")
+        if not self.frozen_trunk_cache_gb >= 0:
+            raise ValueError(f"frozen_trunk_cache_gb={self.frozen_trunk_cache_gb} must be 0 (off) or positive")
         if self.curriculum_epochs_per_stage < 1:
             raise ValueError(f"curriculum_epochs_per_stage must be >= 1, got {self.curriculum_epochs_per_stage}")
         if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.accelerator.is_available():
