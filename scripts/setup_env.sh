@@ -15,6 +15,16 @@ fi
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
+# What was installed last, as a digest of the package's metadata, the extras and the torch index: when it has not
+# changed, pip is not run again (the package is installed editable, so code changes need no reinstall). Delete
+# .venv/setup.sha256 to reinstall anyway.
+stamp=.venv/setup.sha256
+wanted="$({ cat setup.cfg pyproject.toml 2>/dev/null || true; echo "extras=$extras index=$torch_index"; } \
+  | sha256sum | cut -d' ' -f1)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$wanted" ]; then
+  return 0 2>/dev/null || exit 0
+fi
+rm -f "$stamp"
 if [ -z "$torch_index" ]; then
   .venv/bin/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
 elif ! .venv/bin/python -m pip install --quiet --disable-pip-version-check --index-url "$torch_index" \
@@ -23,3 +33,4 @@ elif ! .venv/bin/python -m pip install --quiet --disable-pip-version-check --ind
   exit 1
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".${extras:+[$extras]}"
+echo "$wanted" > "$stamp"

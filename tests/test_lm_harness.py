@@ -53,13 +53,23 @@ def tasks(tmp_path):
     return folder
 
 
+@pytest.fixture
+def own_tasks_only(monkeypatch):
+    """lm-eval's TaskManager without its built-in tasks (an index of thousands, which takes seconds to build): the
+    tasks of --include-path are all it knows."""
+    import lm_eval.tasks
+
+    task_manager = lm_eval.tasks.TaskManager
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda **kwargs: task_manager(include_defaults=False, **kwargs))
+
+
 def run(folder, tasks, output, *flags):
     assert cli_main(["lm-eval", "--model", str(folder), "--tasks", "tiny_ll", "tiny_gen", "--include-path",
                      str(tasks), "--output", str(output), "--log-samples", *flags]) == 0
     return json.loads((output / "lm_eval_results.json").read_text())
 
 
-def test_lm_eval_batches_answer_as_each_request_alone(tmp_path, tiny_qwen3_dir, tasks):
+def test_lm_eval_batches_answer_as_each_request_alone(tmp_path, tiny_qwen3_dir, tasks, own_tasks_only):
     model = build(tiny_qwen3_dir, **VARIANT_SETTINGS["mag"])
     folder = tmp_path / "memory"
     model.save_pretrained(folder)
@@ -87,7 +97,7 @@ def test_lm_eval_names_an_unknown_task(tmp_path, tiny_qwen3_dir, tasks):
                   "--output", str(tmp_path / "out")])
 
 
-def test_lm_eval_keeps_a_users_results_file_even_with_overwrite(tmp_path, tiny_qwen3_dir, tasks):
+def test_lm_eval_keeps_a_users_results_file_even_with_overwrite(tmp_path, tiny_qwen3_dir, tasks, own_tasks_only):
     output = tmp_path / "out"
     output.mkdir()
     (output / "lm_eval_results.json").write_text('{"mine": true}\n')
@@ -110,7 +120,8 @@ def test_lm_eval_keeps_a_users_results_file_even_with_overwrite(tmp_path, tiny_q
     (["--seed", "-1"], r"--seed -1: must be in \[0, 4294967295\]"),
     (["--num-fewshot", "6"], r"--num-fewshot 6: task tiny_ll has 5 few-shot examples to draw from"),
 ])
-def test_lm_eval_names_a_bad_flag_before_loading_anything(tmp_path, tiny_qwen3_dir, tasks, flags, message):
+def test_lm_eval_names_a_bad_flag_before_loading_anything(tmp_path, tiny_qwen3_dir, tasks, own_tasks_only, flags,
+                                                           message):
     """Each flag lm-eval would take silently (a negative count), or fail on with its own words, is one error naming
     the flag, before the model loads or anything is written."""
     output = tmp_path / "out"
@@ -120,7 +131,7 @@ def test_lm_eval_names_a_bad_flag_before_loading_anything(tmp_path, tiny_qwen3_d
     assert not output.exists()
 
 
-def test_lm_eval_takes_every_shot_a_task_has_and_a_whole_limit(tmp_path, tiny_qwen3_dir, tasks):
+def test_lm_eval_takes_every_shot_a_task_has_and_a_whole_limit(tmp_path, tiny_qwen3_dir, tasks, own_tasks_only):
     """The bounds are lm-eval's own: 5 shots from a task of 5 documents (drawn from its test split, which is not set
     aside as a few-shot split) and a limit of 2 documents run."""
     folder = tmp_path / "memory"
@@ -144,16 +155,6 @@ def test_lm_eval_names_an_include_path_that_is_not_a_folder_of_tasks(tmp_path, t
             cli_main(["lm-eval", "--model", str(tiny_qwen3_dir), "--tasks", "tiny_ll", "--include-path", str(path),
                       "--output", str(output)])
     assert not output.exists()
-
-
-@pytest.fixture
-def own_tasks_only(monkeypatch):
-    """lm-eval's TaskManager without its built-in tasks (an index of thousands, which takes seconds to build): the
-    tasks of --include-path are all it knows."""
-    import lm_eval.tasks
-
-    task_manager = lm_eval.tasks.TaskManager
-    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda **kwargs: task_manager(include_defaults=False, **kwargs))
 
 
 def test_lm_eval_expands_task_patterns_and_refuses_one_matching_every_task(tmp_path, tiny_qwen3_dir, tasks,

@@ -121,14 +121,16 @@ def readme_section(title: str) -> str:
 
 def setup_env_pip_calls(tmp_path: Path, env: dict[str, str], pip_fails: bool = False) -> tuple[int, list[str], str]:
     """(exit status, each pip call's arguments, stderr) of scripts/setup_env.sh run in a copy of the repository
-    whose .venv/bin/python records its arguments (and fails each call with `pip_fails`) instead of installing."""
+    whose .venv/bin/python records its arguments (and fails each call with `pip_fails`) instead of installing; a
+    second call with the same `tmp_path` runs it again in the same copy."""
     repo = tmp_path / "repo"
-    (repo / "scripts").mkdir(parents=True)
+    (repo / "scripts").mkdir(parents=True, exist_ok=True)
     (repo / "scripts" / "setup_env.sh").write_bytes(SETUP_ENV.read_bytes())
     python = repo / ".venv" / "bin" / "python"
-    python.parent.mkdir(parents=True)
+    python.parent.mkdir(parents=True, exist_ok=True)
     python.write_text(f'#!/usr/bin/env bash\necho "$*" >> "{tmp_path}/calls.txt"\nexit {int(pip_fails)}\n')
     python.chmod(0o755)
+    (tmp_path / "calls.txt").unlink(missing_ok=True)
     result = subprocess.run(["bash", str(repo / "scripts" / "setup_env.sh"), "test"], env=env, capture_output=True,
                             text=True)
     calls = (tmp_path / "calls.txt").read_text().splitlines() if (tmp_path / "calls.txt").exists() else []
@@ -149,11 +151,20 @@ def test_the_install_block_is_what_setup_env_installs(tmp_path):
     env = {key: value for key, value in os.environ.items() if key != "TORCH_INDEX_URL"}
     pip = "-m pip install --quiet --disable-pip-version-check"
     assert setup_env_pip_calls(tmp_path / "default", env) == (0, [f"{pip} torch==2.13.0", f"{pip} -e .[test]"], "")
+    # once installed, a rerun installs nothing until the package's metadata or the torch index changes
+    assert setup_env_pip_calls(tmp_path / "default", env) == (0, [], "")
+    (tmp_path / "default" / "repo" / "setup.cfg").write_text("[metadata]\nname = changed\n")
+    assert setup_env_pip_calls(tmp_path / "default", env) == (0, [f"{pip} torch==2.13.0", f"{pip} -e .[test]"], "")
+    assert setup_env_pip_calls(tmp_path / "default", {**env, "TORCH_INDEX_URL": cpu_index}) == (
+        0, [f"{pip} --index-url {cpu_index} torch==2.13.0", f"{pip} -e .[test]"], "")
     assert setup_env_pip_calls(tmp_path / "cpu", {**env, "TORCH_INDEX_URL": cpu_index}) == (
         0, [f"{pip} --index-url {cpu_index} torch==2.13.0", f"{pip} -e .[test]"], "")
     assert setup_env_pip_calls(tmp_path / "unreachable", {**env, "TORCH_INDEX_URL": cpu_index}, pip_fails=True) == (
         1, [f"{pip} --index-url {cpu_index} torch==2.13.0"],
         f"setup_env.sh: pip could not install torch==2.13.0 from TORCH_INDEX_URL={cpu_index}\n")
+    # a failed install leaves no record of one: the next run tries again
+    assert setup_env_pip_calls(tmp_path / "unreachable", {**env, "TORCH_INDEX_URL": cpu_index}) == (
+        0, [f"{pip} --index-url {cpu_index} torch==2.13.0", f"{pip} -e .[test]"], "")
     assert setup_env_pip_calls(tmp_path / "bad", {**env, "TORCH_INDEX_URL": "--no-deps x"}) == (
         2, [], "setup_env.sh: TORCH_INDEX_URL='--no-deps x' is not an index URL (http://, https:// or file://, no "
         "spaces)\n")
